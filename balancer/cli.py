@@ -1,0 +1,102 @@
+"""The `kvlb` command. Test-bed subcommands (replica, loadtest, ...) arrive through the
+`kvlb.commands` entry-point group, so the proxy installs and runs without them."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from importlib.metadata import entry_points
+
+from balancer.config import ConfigError, Settings, check_config_main, load_settings, settings_from_args
+from balancer.logs import configure_logging
+
+log = logging.getLogger("kvlb")
+ENTRY_POINT_GROUP = "kvlb.commands"
+
+
+def _serve_settings(args: argparse.Namespace) -> Settings:
+    if args.config and args.replica:
+        raise ConfigError(["give either --config or --replica, not both"])
+    if args.config:
+        settings = load_settings(args.config)
+        if args.host is not None or args.port is not None or args.policy is not None:
+            raise ConfigError(["--host, --port and --policy go with --replica; with --config, set them in the file"])
+        return settings
+    if not args.replica:
+        raise ConfigError(["give --config FILE or at least one --replica URL"])
+    return settings_from_args(
+        args.replica,
+        policy=args.policy or "least_load",
+        host=args.host or "127.0.0.1",
+        port=args.port if args.port is not None else 8000,
+    )
+
+
+async def _serve(settings: Settings) -> None:
+    from balancer.server import start_balancer
+
+    runner, port = await start_balancer(settings)
+    log.info(
+        "kvlb listening on http://%s:%d with %d replica(s), policy %s",
+        settings.listen.host, port, len(settings.replicas), settings.policy.name,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("kvlb shutting down")
+        await runner.cleanup()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        settings = _serve_settings(args)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"kvlb: {problem}", file=sys.stderr)
+        return 2
+    configure_logging(settings.logging.level, settings.logging.format)
+    import uvloop
+
+    uvloop.run(_serve(settings))
+    return 0
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    return check_config_main(args.file)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvlb", description="KV-cache-aware load balancer for LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the balancer")
+    serve.add_argument("--config", metavar="FILE", help="YAML configuration (see config/balancer.yaml)")
+    serve.add_argument("--replica", metavar="URL", action="append", help="replica base URL; repeat for more")
+    serve.add_argument("--policy", help="policy name for --replica mode (default least_load)")
+    serve.add_argument("--host", help="listen address for --replica mode (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="listen port for --replica mode (default 8000)")
+    serve.set_defaults(func=cmd_serve)
+
+    check = sub.add_parser("check-config", help="validate a configuration file and print every problem")
+    check.add_argument("file")
+    check.set_defaults(func=cmd_check_config)
+
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        entry.load()(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,427 @@
+"""Balancer settings: YAML in, one frozen and validated `Settings` out.
+
+Each key the balancer understands is a field of a dataclass below, with the same name and its
+default. Validation is driven by those fields and their type hints, so a new setting is one new
+field. Every problem is collected before failing, so a broken file is fixed in one pass rather
+than one restart per mistake.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from policies.registry import POLICIES, make_policy
+
+
+class ConfigError(Exception):
+    """Every problem found in a configuration, one line each."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+    def __str__(self) -> str:
+        return "\n".join(self.problems)
+
+
+# A check gets a well-typed value and returns the value to store (possibly normalized). It
+# raises ValueError for a problem with the value itself, or ConfigError whose problems start
+# with a relative key path (".name: ...", "[1].name: ...") for a problem deeper inside it.
+Check = Callable[[Any], Any]
+
+
+def _checked(default: Any = dataclasses.MISSING, check: Check | None = None, **meta: Any) -> Any:
+    return field(default=default, metadata={"check": check, **meta})
+
+
+def _section(cls: type, check: Check | None = None) -> Any:
+    return field(default_factory=cls, metadata={"check": check})
+
+
+def _rule(ok: Callable[[Any], bool], problem: str, normalize: Callable[[Any], Any] = lambda v: v) -> Check:
+    """A check that stores `normalize(value)` when `ok` holds for it; `problem` gets {!r} of it."""
+
+    def check(value: Any) -> Any:
+        value = normalize(value)
+        # `not ok(...)` rather than a negated comparison inside `ok`, so that NaN fails.
+        if not ok(value):
+            raise ValueError(problem.format(value))
+        return value
+
+    return check
+
+
+def _at_least(low: int) -> Check:
+    return _rule(lambda v: v >= low, f"must be >= {low}, got {{!r}}")
+
+
+def _one_of(*choices: str) -> Check:
+    return _rule(lambda v: v in choices, f"must be one of {', '.join(choices)}; got {{!r}}", str.lower)
+
+
+_positive = _rule(lambda v: v > 0, "must be > 0, got {!r}")
+_port = _rule(lambda v: 1 <= v <= 65535, "must be between 1 and 65535, got {!r}")
+_non_empty = _rule(lambda v: v.strip() != "", "must not be empty, got {!r}")
+_url_path = _rule(lambda v: v.startswith("/"), "must start with '/', got {!r}")
+
+
+# HTTP header names are case-insensitive; storing one spelling keeps lookups simple.
+_header_name = _rule(
+    re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+").fullmatch, "not a valid HTTP header name: {!r}", str.lower
+)
+
+
+def _http_url(value: str) -> str:
+    try:
+        parts = urlsplit(value)
+        port = parts.port  # raises ValueError for a malformed or out-of-range port
+    except ValueError:
+        parts = None
+    if (
+        parts is None
+        or port == 0
+        or parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or parts.query
+        or parts.fragment
+    ):
+        raise ValueError(f"not an http(s) URL: {value!r}")
+    return value.rstrip("/")  # the proxy appends request paths that start with '/'
+
+
+def _name_from_url(url: str) -> str:
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{host}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Listen:
+    host: str = _checked("127.0.0.1", _non_empty)
+    port: int = _checked(8000, _port)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSettings:
+    url: str = _checked(check=_http_url)
+    name: str | None = _checked(None, _non_empty)  # filled from the url when not given
+    model: str | None = _checked(None, _non_empty)  # None: discovered from /v1/models
+    labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    weight: float = _checked(1.0, _positive)
+    max_concurrency: int | None = _checked(None, _at_least(1))
+    kv_capacity_tokens: int | None = _checked(None, _at_least(1))
+
+    def __post_init__(self) -> None:
+        if self.name is None:
+            object.__setattr__(self, "name", _name_from_url(self.url))
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySettings:
+    name: str = "least_load"
+    params: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    connect_s: float = _checked(5.0, _positive)
+    first_byte_s: float = _checked(60.0, _positive)
+    total_s: float = _checked(600.0, _positive)
+    stream_idle_s: float = _checked(120.0, _positive)
+
+
+@dataclass(frozen=True, slots=True)
+class Retries:
+    max_attempts: int = _checked(3, _at_least(1))
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_body_bytes: int = _checked(32 * 1024 * 1024, _at_least(1))
+    max_in_flight: int = _checked(1024, _at_least(1))
+    max_header_bytes: int = _checked(16384, _at_least(1024))
+
+
+@dataclass(frozen=True, slots=True)
+class HealthSettings:
+    path: str = _checked("/health", _url_path)
+    interval_s: float = _checked(5.0, _positive)
+    timeout_s: float = _checked(2.0, _positive)
+    unhealthy_threshold: int = _checked(2, _at_least(1))
+    healthy_threshold: int = _checked(1, _at_least(1))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDiscovery:
+    refresh_s: float = _checked(30.0, _positive)
+    timeout_s: float = _checked(2.0, _positive)
+
+
+@dataclass(frozen=True, slots=True)
+class HeaderSettings:
+    expose_replica: bool = True
+    request_id: str = _checked("x-request-id", _header_name)
+
+
+@dataclass(frozen=True, slots=True)
+class LoggingSettings:
+    level: str = _checked("info", _one_of("debug", "info", "warning", "error"))
+    format: str = _checked("text", _one_of("text", "json"))
+    access_log: bool = False
+
+
+def _some_replicas_uniquely_named(replicas: tuple[ReplicaSettings, ...]) -> tuple[ReplicaSettings, ...]:
+    if not replicas:
+        raise ValueError("at least one replica is required")
+    first_seen: dict[str, int] = {}
+    problems = []
+    for i, replica in enumerate(replicas):
+        if replica.name in first_seen:
+            j = first_seen[replica.name]
+            problems.append(f"[{i}].name: duplicate replica name {replica.name!r} (as replicas[{j}])")
+        first_seen.setdefault(replica.name, i)
+    if problems:
+        raise ConfigError(problems)
+    return replicas
+
+
+def _known_policy(policy: PolicySettings) -> PolicySettings:
+    if policy.name not in POLICIES:
+        known = ", ".join(sorted(POLICIES))
+        raise ConfigError([f".name: unknown policy {policy.name!r}; known: {known}"])
+    # Building the policy once here makes bad params a config error instead of a crash at startup.
+    try:
+        make_policy(policy.name, dict(policy.params), policy.seed)
+    except (ValueError, TypeError) as e:
+        raise ConfigError([f".params: {e}"]) from None
+    return policy
+
+
+def _first_byte_within_total(timeouts: Timeouts) -> Timeouts:
+    if timeouts.first_byte_s > timeouts.total_s:
+        raise ConfigError([f".first_byte_s: must be <= total_s ({timeouts.total_s!r})"])
+    return timeouts
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settings:
+    listen: Listen = _section(Listen)
+    replicas: tuple[ReplicaSettings, ...] = _checked(
+        check=_some_replicas_uniquely_named, missing="at least one replica is required"
+    )
+    policy: PolicySettings = _section(PolicySettings, _known_policy)
+    timeouts: Timeouts = _section(Timeouts, _first_byte_within_total)
+    retries: Retries = _section(Retries)
+    limits: Limits = _section(Limits)
+    health: HealthSettings = _section(HealthSettings)
+    models: ModelDiscovery = _section(ModelDiscovery)
+    headers: HeaderSettings = _section(HeaderSettings)
+    logging: LoggingSettings = _section(LoggingSettings)
+
+
+# --- validation engine ------------------------------------------------------------------------
+
+_INVALID: Any = object()
+_SCALARS: dict[type, tuple[str, tuple[type, ...]]] = {
+    bool: ("true or false", (bool,)),
+    int: ("an integer", (int,)),
+    float: ("a number", (int, float)),
+    str: ("a string", (str,)),
+}
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _wrong(expected: str, value: Any, where: str, problems: list[str]) -> Any:
+    problems.append(f"{where}: expected {expected}, got {_describe(value)}")
+    return _INVALID
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, dict):
+        return MappingProxyType({k: _freeze(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _convert(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
+    """`value` as type `tp`, or _INVALID after appending why to `problems`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is types.UnionType:  # the schema only uses `X | None`
+        if value is None:
+            return None
+        (tp,) = [a for a in args if a is not type(None)]
+        return _convert(tp, value, where, problems)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where, problems)
+    if origin is tuple:
+        if not isinstance(value, list | type(None)):
+            return _wrong("a list", value, where, problems)
+        items = [_convert(args[0], v, f"{where}[{i}]", problems) for i, v in enumerate(value or [])]
+        return _INVALID if _INVALID in items else tuple(items)
+    if origin is Mapping:
+        if not isinstance(value, dict | type(None)):
+            return _wrong("a mapping", value, where, problems)
+        out = {}
+        for key, item in (value or {}).items():
+            if not isinstance(key, str):
+                problems.append(f"{where}: keys must be strings, got {key!r}")
+                out[key] = _INVALID
+                continue
+            if args[1] is str and isinstance(item, int | float) and not isinstance(item, bool):
+                item = str(item)  # `zone: 3` in YAML is a number; labels are text
+            out[key] = _convert(args[1], item, f"{where}.{key}", problems)
+        return _INVALID if _INVALID in out.values() else MappingProxyType(out)
+    if tp is Any:
+        return _freeze(value)
+    expected, accepted = _SCALARS[tp]
+    # bool is an int subclass in Python, but `true` where a number belongs is a mistake.
+    if not isinstance(value, accepted) or (isinstance(value, bool) and tp is not bool):
+        return _wrong(expected, value, where, problems)
+    return float(value) if tp is float else value
+
+
+def _build(cls: type, data: Any, path: str, problems: list[str]) -> Any:
+    """An instance of dataclass `cls` from a mapping, or _INVALID after recording why."""
+    if data is None:  # an empty section (`health:`) means all defaults
+        data = {}
+    if not isinstance(data, dict):
+        return _wrong("a mapping", data, path or "top level", problems)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    prefix = f"{path}." if path else ""
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"{prefix}{key}: unknown key{hint}")
+    values = {}
+    for name, f in fields.items():
+        where = prefix + name
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                problems.append(f"{where}: {f.metadata.get('missing', 'required key is missing')}")
+                values[name] = _INVALID
+            continue
+        value = _convert(hints[name], data[name], where, problems)
+        check = f.metadata.get("check")
+        if check is not None and value is not _INVALID and value is not None:
+            try:
+                value = check(value)
+            except ConfigError as e:
+                problems.extend(where + p for p in e.problems)
+                value = _INVALID
+            except ValueError as e:
+                problems.append(f"{where}: {e}")
+                value = _INVALID
+        values[name] = value
+    if _INVALID in values.values():
+        return _INVALID
+    return cls(**values)
+
+
+# --- entry points -----------------------------------------------------------------------------
+
+
+def parse_settings(data: Any) -> Settings:
+    """Validate an already-parsed YAML document; raise ConfigError listing every problem."""
+    problems: list[str] = []
+    settings = _build(Settings, data, "", problems)
+    if problems:
+        raise ConfigError(problems)
+    return settings
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key given twice, where PyYAML would silently keep the last."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+            key = loader.construct_object(key_node)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"duplicate key {key!r}", key_node.start_mark,
+                )
+            seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_settings(path: str | os.PathLike[str]) -> Settings:
+    """Read and validate a YAML file; every problem in the ConfigError starts with the path."""
+    name = os.fspath(path)
+    try:
+        with open(name, "rb") as f:
+            data = yaml.load(f, Loader=_StrictLoader)
+    except FileNotFoundError:
+        raise ConfigError([f"{name}: no such file"]) from None
+    except OSError as e:
+        raise ConfigError([f"{name}: cannot read: {e.strerror}"]) from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ConfigError([f"{name}: {where}invalid YAML: {e.problem}"]) from None
+    except yaml.YAMLError as e:
+        raise ConfigError([f"{name}: invalid YAML: {e}"]) from None
+    try:
+        return parse_settings(data)
+    except ConfigError as e:
+        raise ConfigError([f"{name}: {p}" for p in e.problems]) from None
+
+
+def settings_from_args(
+    replica_urls: list[str],
+    policy: str = "least_load",
+    host: str = "127.0.0.1",
+    port: int = 8000,
+) -> Settings:
+    """Settings for `kvlb serve --replica URL ...`, validated exactly like a file."""
+    return parse_settings(
+        {
+            "listen": {"host": host, "port": port},
+            "replicas": [{"url": url} for url in replica_urls],
+            "policy": {"name": policy},
+        }
+    )
+
+
+def check_config_main(path: str | os.PathLike[str]) -> int:
+    """`kvlb check-config FILE`: print every problem and return 1, or a summary and return 0."""
+    try:
+        settings = load_settings(path)
+    except ConfigError as e:
+        for problem in e.problems:
+            print(problem)
+        return 1
+    n = len(settings.replicas)
+    print(f"ok: {n} replica{'' if n == 1 else 's'}, policy {settings.policy.name}")
+    return 0

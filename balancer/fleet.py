@@ -1,0 +1,108 @@
+"""Replica state: the one place that knows each replica's load, health and models."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from balancer.config import ReplicaSettings
+from balancer.errors import ClientError
+
+
+class Replica:
+    """One upstream engine. Implements `policies.base.ReplicaView`."""
+
+    __slots__ = (
+        "name", "url", "weight", "labels", "max_concurrency", "kv_capacity_tokens",
+        "declared_model", "in_flight", "healthy", "discovered_models", "model_cards",
+    )
+
+    def __init__(self, settings: ReplicaSettings) -> None:
+        self.name: str = settings.name or settings.url
+        self.url: str = settings.url
+        self.weight: float = settings.weight
+        self.labels: Mapping[str, str] = MappingProxyType(dict(settings.labels))
+        self.max_concurrency: int | None = settings.max_concurrency
+        self.kv_capacity_tokens: int | None = settings.kv_capacity_tokens
+        self.declared_model: str | None = settings.model
+        self.in_flight = 0
+        # Optimistic until the first health check says otherwise, so a fresh balancer serves at once.
+        self.healthy = True
+        # None until the replica has answered /v1/models once.
+        self.discovered_models: frozenset[str] | None = None
+        self.model_cards: tuple[Mapping[str, Any], ...] = ()
+
+    def serves(self, model: str | None) -> bool:
+        if model is None:
+            return True
+        if self.declared_model is None and self.discovered_models is None:
+            # Nothing known yet: do not refuse traffic the replica may well serve.
+            return True
+        return model == self.declared_model or (
+            self.discovered_models is not None and model in self.discovered_models
+        )
+
+    def has_room(self) -> bool:
+        return self.max_concurrency is None or self.in_flight < self.max_concurrency
+
+    def __repr__(self) -> str:
+        return f"Replica({self.name!r}, in_flight={self.in_flight}, healthy={self.healthy})"
+
+
+@dataclass(frozen=True, slots=True)
+class FleetCounts:
+    total: int
+    healthy: int
+
+
+class Fleet:
+    def __init__(self, replicas: Iterable[ReplicaSettings]) -> None:
+        self.replicas: tuple[Replica, ...] = tuple(Replica(s) for s in replicas)
+        self.by_name: dict[str, Replica] = {r.name: r for r in self.replicas}
+
+    def candidates(self, model: str | None) -> list[Replica]:
+        """Replicas a request for `model` may go to, or the ClientError explaining why none."""
+        serving = [r for r in self.replicas if r.serves(model)]
+        if not serving:
+            raise ClientError(
+                404,
+                f"The model '{model}' does not exist or is not served by any replica",
+                "model_not_found",
+                param="model",
+            )
+        healthy = [r for r in serving if r.healthy]
+        if not healthy:
+            raise ClientError(
+                503,
+                f"no healthy replica serves model '{model}'" if model else "no healthy replica",
+                "no_healthy_replica",
+                type_="service_unavailable",
+                retry_after=5,
+            )
+        ready = [r for r in healthy if r.has_room()]
+        if not ready:
+            raise ClientError(
+                503,
+                "every replica is at its max_concurrency; retry shortly",
+                "overloaded",
+                type_="service_unavailable",
+                retry_after=1,
+            )
+        return ready
+
+    def counts(self) -> FleetCounts:
+        return FleetCounts(len(self.replicas), sum(1 for r in self.replicas if r.healthy))
+
+    def model_cards(self) -> list[Mapping[str, Any]]:
+        """Every model served, each once: what replicas reported, then what config declares."""
+        seen: dict[str, Mapping[str, Any]] = {}
+        for replica in self.replicas:
+            for card in replica.model_cards:
+                seen.setdefault(card["id"], card)
+        for replica in self.replicas:
+            model = replica.declared_model
+            if model and model not in seen:
+                seen[model] = {"id": model, "object": "model", "created": 0, "owned_by": "kvlb"}
+        return list(seen.values())

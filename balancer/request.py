@@ -1,0 +1,104 @@
+"""Parse a request body once, for routing and accounting only.
+
+The proxy forwards the original bytes; nothing here is ever serialized back. Only the fields
+routing needs are checked: deeper validation is the replica's job, and its answer passes
+through unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from balancer.errors import ClientError
+from policies.base import RequestFeatures
+
+# Routes whose OpenAI contract makes `model` mandatory; SGLang's /generate has no model field.
+MODEL_REQUIRED_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+SESSION_HEADER = "x-session-id"
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    if not body:
+        raise ClientError(400, "request body is empty; expected a JSON object", "invalid_json")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as utf_exc:
+            raise ClientError(
+                400, f"request body is not valid UTF-8 (byte {utf_exc.start})", "invalid_encoding"
+            ) from None
+        raise ClientError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(data, dict):
+        kind = type(data).__name__
+        raise ClientError(400, f"request body must be a JSON object, got {kind}", "invalid_json")
+    return data
+
+
+def parse_request(
+    route: str, body: bytes, headers: Mapping[str, str], *, with_prompt: bool = False
+) -> RequestFeatures:
+    data = parse_json_object(body)
+    model = data.get("model")
+    if model is None:
+        if route in MODEL_REQUIRED_ROUTES:
+            raise ClientError(
+                400, "you must provide a model parameter", "missing_model", param="model"
+            )
+    elif not isinstance(model, str) or not model:
+        raise ClientError(400, "model must be a non-empty string", "invalid_model", param="model")
+
+    session_key = headers.get(SESSION_HEADER)
+    if not session_key:
+        user = data.get("user")
+        session_key = user if isinstance(user, str) and user else None
+
+    return RequestFeatures(
+        route=route,
+        model=model,
+        stream=data.get("stream") is True,
+        session_key=session_key,
+        prompt=canonical_prompt(route, data) if with_prompt else None,
+    )
+
+
+def canonical_prompt(route: str, data: Mapping[str, Any]) -> str:
+    """The prompt as one string, built the same way every time so equal prefixes stay equal.
+
+    Chat messages are flattened in order as role marker then content, tools first since
+    templates put them in the system preamble.
+    """
+    if route == "/v1/chat/completions":
+        parts: list[str] = []
+        tools = data.get("tools")
+        if tools:
+            parts.append("<|tools|>" + orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode())
+        for message in data.get("messages") or ():
+            if isinstance(message, Mapping):
+                parts.append(f"<|{message.get('role', '')}|>{_text_of(message.get('content'))}")
+        return "\n".join(parts)
+    if route == "/generate":
+        if "text" in data:
+            return _text_of(data.get("text"))
+        return _text_of(data.get("input_ids"))
+    if route == "/v1/embeddings":
+        return _text_of(data.get("input"))
+    return _text_of(data.get("prompt"))
+
+
+def _text_of(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        # Content parts ({"type": "text", "text": ...}), batched prompts, or token ids.
+        return "\n".join(
+            part.get("text", "") if isinstance(part, Mapping) else _text_of(part)
+            for part in content
+        )
+    return str(content)

@@ -1,0 +1,76 @@
+"""What a routing policy sees and returns.
+
+A policy is pure: it ranks the replicas it is handed using only the request's features and
+each replica's read-only view, with no I/O, no clock and no asyncio. The same policy object
+therefore runs in the live proxy, in the offline simulator and in a unit test with a
+hand-made fleet. Randomness comes from a `random.Random` the policy owns, seedable in tests.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class ReplicaView(Protocol):
+    """Read-only view of one replica, implemented by `balancer.fleet.Replica`."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def weight(self) -> float: ...
+
+    @property
+    def labels(self) -> Mapping[str, str]: ...
+
+    @property
+    def in_flight(self) -> int:
+        """Requests routed here and not yet finished, as counted by this balancer."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFeatures:
+    """What routing may know of a request, parsed once by `balancer.request`."""
+
+    route: str
+    model: str | None = None
+    stream: bool = False
+    # Affinity key: the `x-session-id` header, else the body's `user` field.
+    session_key: str | None = None
+    # Canonical prompt text; filled only for policies whose `needs_prompt` is true.
+    prompt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One ranked replica with the terms that put it there (for logs and headers)."""
+
+    replica: ReplicaView
+    terms: Mapping[str, float] = field(default_factory=dict)
+
+
+class Policy:
+    """Base class: subclasses set `name` and implement `rank`."""
+
+    name: ClassVar[str] = ""
+    needs_prompt: ClassVar[bool] = False
+
+    def __init__(self, *, seed: int | None = None, **params: Any) -> None:
+        if params:
+            unknown = ", ".join(sorted(params))
+            raise ValueError(f"unknown parameter(s) for policy {self.name!r}: {unknown}")
+        self.rng = random.Random(seed)
+
+    def rank(self, request: RequestFeatures, replicas: Sequence[ReplicaView]) -> list[Choice]:
+        """Every replica in `replicas`, each once, most preferred first.
+
+        `replicas` holds only eligible replicas (healthy, serving the model, below their
+        concurrency cap) and is never empty. Failover takes the next entry, so the whole
+        order matters, not just the head.
+        """
+        raise NotImplementedError

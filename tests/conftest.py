@@ -1,0 +1,102 @@
+from __future__ import annotations
+
+import copy
+import random
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from balancer.config import Settings, parse_settings
+from balancer.server import BALANCER_KEY, Balancer, BalancerRunner, build_app
+from loadtest.stub_replica import make_stub_app
+
+
+# Test servers stay below 32768: ports above are the kernel's ephemeral range, where an
+# outgoing connection may already hold the port.
+TEST_PORT_RANGE = (20000, 32000)
+
+
+async def start_site(runner: web.BaseRunner) -> int:
+    """Start `runner` on a free port of 127.0.0.1 in TEST_PORT_RANGE; return the port."""
+    for _ in range(100):
+        port = random.randrange(*TEST_PORT_RANGE)
+        site = web.TCPSite(runner, "127.0.0.1", port)
+        try:
+            await site.start()
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free test port")
+
+
+def free_port() -> int:
+    """A port free right now, for servers started as separate processes."""
+    for _ in range(100):
+        port = random.randrange(*TEST_PORT_RANGE)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free test port")
+
+
+@asynccontextmanager
+async def serve_app(app: web.Application, *, handler_cancellation: bool = True) -> AsyncIterator[str]:
+    """Serve `app` on a free port of 127.0.0.1 and yield its base URL."""
+    runner = web.AppRunner(app, handler_cancellation=handler_cancellation, access_log=None)
+    await runner.setup()
+    try:
+        port = await start_site(runner)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def make_settings(replicas: list[str | dict[str, Any]], **sections: Any) -> Settings:
+    """Settings for a test balancer: each replica a URL or a full replica mapping."""
+    data: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1"},
+        "replicas": [r if isinstance(r, dict) else {"url": r} for r in replicas],
+        # Tests drive health explicitly; a background round must not race them.
+        "health": {"interval_s": 3600},
+    }
+    return parse_settings(_merge(data, sections))
+
+
+class RunningBalancer:
+    def __init__(self, url: str, balancer: Balancer) -> None:
+        self.url = url
+        self.balancer = balancer
+
+
+@asynccontextmanager
+async def run_balancer(settings: Settings) -> AsyncIterator[RunningBalancer]:
+    app = build_app(settings)
+    runner = BalancerRunner(app, settings)
+    await runner.setup()
+    try:
+        port = await start_site(runner)
+        yield RunningBalancer(f"http://127.0.0.1:{port}", app[BALANCER_KEY])
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+def stub_app() -> Callable[..., web.Application]:
+    return make_stub_app

@@ -1,0 +1,121 @@
+"""Upstream servers with one behaviour each, for proxy tests: they show what reached them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import orjson
+from aiohttp import web
+
+
+@dataclass
+class Seen:
+    """What an upstream observed, for assertions."""
+
+    bodies: list[bytes] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    requests: int = 0
+    disconnected_at: list[float] = field(default_factory=list)
+
+
+async def healthy(_request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
+def echo_app(seen: Seen) -> web.Application:
+    """Answers with the exact bytes it received, and the headers as a JSON header."""
+
+    async def echo(request: web.Request) -> web.Response:
+        body = await request.read()
+        seen.requests += 1
+        seen.bodies.append(body)
+        seen.headers.append(dict(request.headers))
+        return web.Response(body=body, content_type="application/octet-stream",
+                            headers={"x-upstream-custom": "kept", "x-seen-path": request.path_qs})
+
+    app = web.Application(client_max_size=64 << 20)
+    app.router.add_route("POST", "/{tail:.*}", echo)
+    app.router.add_get("/health", healthy)
+    return app
+
+
+def slow_sse_app(seen: Seen, *, chunks: int = 4, gap_s: float = 0.2, break_after: int | None = None) -> web.Application:
+    """Streams `chunks` SSE events `gap_s` apart; with `break_after`, drops the connection."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        seen.requests += 1
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(chunks):
+            if break_after is not None and i == break_after:
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
+            await resp.write(b"data: " + orjson.dumps({"i": i, "t": time.monotonic()}) + b"\n\n")
+            await asyncio.sleep(gap_s)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_route("POST", "/{tail:.*}", stream)
+    app.router.add_get("/health", healthy)
+    return app
+
+
+def status_app(seen: Seen, status: int, retry_after: str | None = None) -> web.Application:
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        seen.requests += 1
+        headers = {"Retry-After": retry_after} if retry_after else None
+        return web.json_response({"error": {"message": f"upstream says {status}", "type": "x", "code": None}},
+                                 status=status, headers=headers)
+
+    app = web.Application()
+    app.router.add_route("POST", "/{tail:.*}", answer)
+    app.router.add_get("/health", healthy)
+    return app
+
+
+def hanging_app(seen: Seen) -> web.Application:
+    """Never answers; records when the balancer closes the connection."""
+
+    async def hang(request: web.Request) -> web.Response:
+        await request.read()
+        seen.requests += 1
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            seen.disconnected_at.append(time.monotonic())
+            raise
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_route("POST", "/{tail:.*}", hang)
+    app.router.add_get("/health", healthy)
+    return app
+
+
+def endless_stream_app(seen: Seen, gap_s: float = 0.02) -> web.Application:
+    """Streams SSE events forever; records when the balancer closes the connection."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        seen.requests += 1
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            while True:
+                await resp.write(b'data: {"tick": 1}\n\n')
+                await asyncio.sleep(gap_s)
+        except (asyncio.CancelledError, ConnectionResetError):
+            seen.disconnected_at.append(time.monotonic())
+            raise
+
+    app = web.Application()
+    app.router.add_route("POST", "/{tail:.*}", stream)
+    app.router.add_get("/health", healthy)
+    return app
