@@ -69,6 +69,13 @@ class Metrics:
         # labels() takes a lock and builds a key each call; children are cached per label set.
         self._request_children: dict[tuple[str, str, int], Counter] = {}
         self._duration_children: dict[str, Histogram] = {}
+        self._attempt_children: dict[tuple[str, str], Counter] = {}
+
+    def count_attempt(self, replica: str, outcome: str) -> None:
+        child = self._attempt_children.get((replica, outcome))
+        if child is None:
+            child = self._attempt_children[(replica, outcome)] = self.attempts.labels(replica, outcome)
+        child.inc()
 
     def observe_request(self, route: str, replica: str, status: int, seconds: float) -> None:
         key = (route, replica, status)

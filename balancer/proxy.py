@@ -14,15 +14,15 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import aiohttp
 import orjson
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDictProxy
 
 from balancer.config import Settings
 from balancer.errors import ClientError
 from balancer.fleet import Replica
 from balancer.metrics import Metrics
+from balancer.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from policies.base import Choice
 
 log = logging.getLogger("kvlb.proxy")
@@ -73,42 +73,27 @@ async def end_broken_response(request: web.Request, outcome: Outcome, reason: st
         request.transport.abort()
 
 
-def upstream_headers(headers: CIMultiDictProxy[str], request_id: str, id_header: str) -> CIMultiDict[str]:
-    connection_tokens = {
-        token.strip().lower() for token in headers.get("connection", "").split(",") if token.strip()
-    }
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in headers.items():
-        lower = name.lower()
-        if lower in REQUEST_DROP or lower in connection_tokens:
-            continue
-        out.add(name, value)
-    out[id_header] = request_id
+def upstream_headers(headers: CIMultiDictProxy[str], request_id: str, id_header: str) -> list[tuple[str, str]]:
+    connection = headers.get("connection")
+    connection_tokens = (
+        {token.strip().lower() for token in connection.split(",")} if connection else ()
+    )
+    out = [
+        (name, value)
+        for name, value in headers.items()
+        if (lower := name.lower()) not in REQUEST_DROP
+        and lower not in connection_tokens
+        and lower != id_header
+    ]
+    out.append((id_header, request_id))
     return out
 
 
-def make_session(settings: Settings) -> aiohttp.ClientSession:
-    connector = aiohttp.TCPConnector(
-        limit=0,  # concurrency is bounded by limits.max_in_flight before a request gets here
-        keepalive_timeout=30,
-        ttl_dns_cache=60,
-    )
-    return aiohttp.ClientSession(
-        connector=connector,
-        # Timeouts are applied per phase in Proxy.forward.
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.timeouts.connect_s),
-        # Bytes pass through: no decompression, no headers the client did not send.
-        auto_decompress=False,
-        skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type", "Accept"),
-        cookie_jar=aiohttp.DummyCookieJar(),
-    )
-
-
 class Proxy:
-    def __init__(self, settings: Settings, metrics: Metrics, session: aiohttp.ClientSession) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, pool: UpstreamPool) -> None:
         self.settings = settings
         self.metrics = metrics
-        self.session = session
+        self.pool = pool
         self.max_attempts = settings.retries.max_attempts
         self.expose_replica = settings.headers.expose_replica
         self.id_header = settings.headers.request_id
@@ -131,14 +116,14 @@ class Proxy:
             outcome.replica = replica.name
             outcome.attempts.append(replica.name)
             replica.in_flight += 1
-            resp: aiohttp.ClientResponse | None = None
+            resp: UpstreamResponse | None = None
             try:
                 try:
                     async with asyncio.timeout(timeouts.first_byte_s):
-                        resp = await self.session.request(
-                            request.method, replica.url + path_qs, data=body, headers=headers
+                        resp = await self.pool.request(
+                            replica.url, request.method, path_qs, headers, body
                         )
-                except (aiohttp.ClientConnectionError, TimeoutError, OSError) as exc:
+                except (TimeoutError, OSError) as exc:
                     kind = "timeout" if isinstance(exc, TimeoutError) else "connect_error"
                     failures.append(f"{replica.name}: {kind} ({exc.__class__.__name__})")
                     self._count_attempt(replica.name, kind)
@@ -165,22 +150,23 @@ class Proxy:
         )
 
     def _count_attempt(self, replica: str, outcome: str) -> None:
-        self.metrics.attempts.labels(replica, outcome).inc()
+        self.metrics.count_attempt(replica, outcome)
 
-    def _response_headers(self, resp: aiohttp.ClientResponse, replica: Replica, request_id: str) -> CIMultiDict[str]:
-        out: CIMultiDict[str] = CIMultiDict()
-        for name, value in resp.headers.items():
-            if name.lower() not in RESPONSE_DROP:
-                out.add(name, value)
-        out[self.id_header] = request_id
+    def _response_headers(self, resp: UpstreamResponse, replica: Replica, request_id: str) -> list[tuple[str, str]]:
+        id_header = self.id_header
+        out = [
+            (name, value) for name, value in resp.headers
+            if (lower := name.lower()) not in RESPONSE_DROP and lower != id_header
+        ]
+        out.append((id_header, request_id))
         if self.expose_replica:
-            out[REPLICA_HEADER] = replica.name
+            out.append((REPLICA_HEADER, replica.name))
         return out
 
     async def _relay(
         self,
         request: web.Request,
-        resp: aiohttp.ClientResponse,
+        resp: UpstreamResponse,
         replica: Replica,
         request_id: str,
         outcome: Outcome,
@@ -189,10 +175,14 @@ class Proxy:
         idle_s = self.settings.timeouts.stream_idle_s
         headers = self._response_headers(resp, replica, request_id)
         length = resp.content_length
-        is_sse = resp.content_type == "text/event-stream"
+        content_type = resp.header("Content-Type") or ""
+        is_sse = content_type.startswith("text/event-stream")
         if length is not None and length <= BUFFER_LIMIT_BYTES and not is_sse:
-            async with asyncio.timeout(idle_s):
-                data = await resp.read()
+            if resp.complete:
+                data = await resp.read(BUFFER_LIMIT_BYTES)  # no wait, so no timer to arm
+            else:
+                async with asyncio.timeout(idle_s):
+                    data = await resp.read(BUFFER_LIMIT_BYTES)
             return web.Response(status=resp.status, body=data, headers=headers)
 
         out = web.StreamResponse(status=resp.status, headers=headers)
@@ -202,14 +192,14 @@ class Proxy:
         outcome.response, outcome.sse = out, is_sse
         try:
             async with asyncio.timeout(idle_s) as idle:
-                async for chunk in resp.content.iter_any():
+                async for chunk in resp.iter_chunks():
                     await out.write(chunk)
                     idle.reschedule(loop.time() + idle_s)
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+        except (UpstreamError, TimeoutError) as exc:
             # The answer has started, so no retry: make the break visible instead of ending
             # the stream cleanly, which a client would take for a complete answer.
             log.warning("request %s: stream from %s broke: %r", request_id, replica.name, exc)
-            self.metrics.attempts.labels(replica.name, "broken_stream").inc()
+            self.metrics.count_attempt(replica.name, "broken_stream")
             reason = f"the stream from replica {replica.name} broke: {exc.__class__.__name__}"
             await end_broken_response(request, outcome, reason)
             return out

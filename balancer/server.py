@@ -20,7 +20,8 @@ from balancer.fleet import Fleet
 from balancer.health import HealthChecker
 from balancer.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from balancer.metrics import NO_REPLICA, Metrics
-from balancer.proxy import Outcome, Proxy, end_broken_response, make_session
+from balancer.proxy import Outcome, Proxy, end_broken_response
+from balancer.upstream import UpstreamPool
 from balancer.request import parse_request
 from policies.base import Policy
 from policies.registry import make_policy
@@ -45,13 +46,17 @@ class Balancer:
         self.in_flight = 0
         self.session: aiohttp.ClientSession | None = None
         self.proxy: Proxy | None = None
+        self.pool: UpstreamPool | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     # lifecycle -----------------------------------------------------------------------------
 
     async def start(self, _app: web.Application | None = None) -> None:
-        self.session = make_session(self.settings)
-        self.proxy = Proxy(self.settings, self.metrics, self.session)
+        # Health checks and discovery are rare and use aiohttp's client; forwarding, the hot
+        # path, uses the lean pool.
+        self.session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
+        self.pool = UpstreamPool(connect_timeout_s=self.settings.timeouts.connect_s)
+        self.proxy = Proxy(self.settings, self.metrics, self.pool)
         discovery = ModelDiscovery(self.fleet, self.settings.models, self.session)
         health = HealthChecker(self.fleet, self.settings.health, self.session)
         # One round before serving, so /v1/models and model routing know the fleet at once.
@@ -64,6 +69,8 @@ class Balancer:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.pool is not None:
+            self.pool.close()
         if self.session is not None:
             await self.session.close()
 

@@ -46,7 +46,8 @@ class RequestFeatures:
     prompt: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is built per replica per request, and frozen dataclasses cost 3x to create.
+@dataclass(slots=True)
 class Choice:
     """One ranked replica with the terms that put it there (for logs and headers)."""
 

@@ -1,0 +1,472 @@
+"""A small HTTP/1.1 client for talking to replicas, with a keep-alive pool per replica.
+
+The general-purpose aiohttp client spends more CPU per request than the rest of the proxy put
+together (request objects, URL parsing, cookie and redirect machinery, tracing hooks), and a
+proxy needs none of that: it sends bytes it already has and relays the bytes it gets. This
+client writes the request in one call and parses the status line, headers and body framing
+(Content-Length, chunked, or until close) itself. Bodies are handed over as they arrive, with
+backpressure: reading from the replica pauses while the client is slow to take them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
+from urllib.parse import urlsplit
+
+MAX_HEAD_BYTES = 64 * 1024
+PAUSE_ABOVE_BYTES = 256 * 1024
+RESUME_BELOW_BYTES = 64 * 1024
+_NO_BODY_STATUSES = frozenset({204, 304})
+
+
+class UpstreamError(ConnectionError):
+    """The replica's connection failed or it sent something that is not HTTP/1.1."""
+
+
+class UpstreamResponse:
+    """Status and headers of a replica's answer; the body is read with `read` or `iter_chunks`."""
+
+    __slots__ = ("status", "reason", "headers", "content_length", "_conn", "_chunks", "_buffered",
+                 "_done", "_error", "_waiter")
+
+    def __init__(self, conn: _Connection, status: int, reason: str,
+                 headers: list[tuple[str, str]], content_length: int | None) -> None:
+        self.status = status
+        self.reason = reason
+        self.headers = headers
+        self.content_length = content_length
+        self._conn = conn
+        self._chunks: deque[bytes] = deque()
+        self._buffered = 0
+        self._done = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def header(self, name: str) -> str | None:
+        lower = name.lower()
+        for key, value in self.headers:
+            if key.lower() == lower:
+                return value
+        return None
+
+    # fed by the connection -------------------------------------------------------------------
+
+    def _feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > PAUSE_ABOVE_BYTES:
+            self._conn.pause()
+        self._wake()
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self._done = True
+        self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # read by the proxy -------------------------------------------------------------------------
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        """Body bytes as they arrive; raises UpstreamError if the body ends early."""
+        while True:
+            if self._chunks:
+                data = b"".join(self._chunks) if len(self._chunks) > 1 else self._chunks[0]
+                self._chunks.clear()
+                self._buffered = 0
+                self._conn.resume()
+                yield data
+                continue
+            if self._done:
+                if self._error is not None:
+                    raise self._error
+                return
+            self._waiter = self._conn.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    @property
+    def complete(self) -> bool:
+        """The whole body has arrived (a small answer usually comes with its headers)."""
+        return self._done and self._error is None
+
+    async def read(self, limit: int) -> bytes:
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in self.iter_chunks():
+            size += len(chunk)
+            if size > limit:
+                raise UpstreamError(f"response body over {limit} bytes")
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def close(self) -> None:
+        """Done with this response: a fully read one returns its connection to the pool,
+        anything else closes the connection so the replica sees the request go away."""
+        self._conn.response_closed(self)
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection to a replica, carrying one request at a time."""
+
+    def __init__(self, pool: _HostPool) -> None:
+        self.pool = pool
+        self.loop = pool.loop
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self.reused = False
+        self._paused = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._buffer = b""
+        self._head_waiter: asyncio.Future[UpstreamResponse] | None = None
+        self._response: UpstreamResponse | None = None
+        self._body_mode = ""  # "length", "chunked", "close" or "" before headers
+        self._remaining = 0
+        self._keep_alive = True
+        self._got_bytes = False
+        self._complete = False
+
+    # asyncio.Protocol -------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._body_mode == "close" and self._response is not None and not self._complete:
+            self._complete = True
+            self._response._finish()
+            return
+        self._fail(UpstreamError(f"connection to {self.pool.name} closed" + (f": {exc}" if exc else "")))
+
+    def data_received(self, data: bytes) -> None:
+        self._got_bytes = True
+        try:
+            self._parse(data)
+        except UpstreamError as exc:
+            self._fail(exc)
+            self.abort()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def pause(self) -> None:
+        if not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._paused and self.transport is not None and self._response is not None \
+                and self._response._buffered < RESUME_BELOW_BYTES:
+            self._paused = False
+            self.transport.resume_reading()
+
+    # request ---------------------------------------------------------------------------------
+
+    def send(self, head: bytes, body: bytes) -> asyncio.Future[UpstreamResponse]:
+        assert self.transport is not None
+        self._reset()
+        self._head_waiter = self.loop.create_future()
+        if body:
+            self.transport.writelines((head, body))
+        else:
+            self.transport.write(head)
+        return self._head_waiter
+
+    def response_closed(self, response: UpstreamResponse) -> None:
+        if response is not self._response:
+            return
+        if self._complete and self._keep_alive and not self.closed:
+            self._response = None
+            self.pool.release(self)
+        else:
+            self.abort()
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    @property
+    def failed_silently(self) -> bool:
+        """Closed before answering anything: a kept-alive connection the replica had dropped."""
+        return not self._got_bytes
+
+    # parsing ---------------------------------------------------------------------------------
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._head_waiter is not None and not self._head_waiter.done():
+            self._head_waiter.set_exception(exc)
+        elif self._response is not None and not self._complete:
+            self._complete = True
+            self._response._finish(exc)
+
+    def _parse(self, data: bytes) -> None:
+        if self._body_mode == "":
+            self._buffer += data
+            end = self._buffer.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self._buffer) > MAX_HEAD_BYTES:
+                    raise UpstreamError("response headers too large")
+                return
+            head, data = self._buffer[:end], self._buffer[end + 4:]
+            self._buffer = b""
+            if not self._start_response(head):
+                # 1xx interim answer: the real one follows.
+                if data:
+                    self._parse(data)
+                return
+        if not data:
+            return
+        response = self._response
+        assert response is not None
+        if self._body_mode == "length":
+            if len(data) >= self._remaining:
+                extra = len(data) - self._remaining
+                if extra:
+                    data = data[: self._remaining]
+                    self._keep_alive = False  # bytes beyond the body: the connection is confused
+                self._remaining = 0
+                response._feed(data)
+                self._complete = True
+                response._finish()
+            else:
+                self._remaining -= len(data)
+                response._feed(data)
+        elif self._body_mode == "chunked":
+            self._parse_chunked(data)
+        elif self._body_mode == "close":
+            response._feed(data)
+
+    def _start_response(self, head: bytes) -> bool:
+        lines = head.split(b"\r\n")
+        parts = lines[0].split(b" ", 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+            raise UpstreamError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+        status = int(parts[1])
+        if 100 <= status < 200:
+            return False
+        headers: list[tuple[str, str]] = []
+        content_length: int | None = None
+        chunked = False
+        keep_alive = parts[0] == b"HTTP/1.1"
+        for line in lines[1:]:
+            name, sep, value = line.partition(b":")
+            if not sep:
+                raise UpstreamError(f"malformed header line: {line[:80]!r}")
+            name_s = name.strip().decode("latin-1")
+            value_s = value.strip().decode("latin-1")
+            headers.append((name_s, value_s))
+            lower = name_s.lower()
+            if lower == "content-length":
+                if not value_s.isdigit():
+                    raise UpstreamError(f"bad Content-Length: {value_s!r}")
+                content_length = int(value_s)
+            elif lower == "transfer-encoding":
+                chunked = value_s.lower().endswith("chunked")
+            elif lower == "connection":
+                tokens = value_s.lower()
+                if "close" in tokens:
+                    keep_alive = False
+                elif "keep-alive" in tokens:
+                    keep_alive = True
+        self._keep_alive = keep_alive
+        if chunked:
+            self._body_mode, content_length = "chunked", None
+            self._chunk_state = "size"
+            self._remaining = 0
+        elif status in _NO_BODY_STATUSES or content_length == 0:
+            self._body_mode, self._remaining = "length", 0
+        elif content_length is not None:
+            self._body_mode, self._remaining = "length", content_length
+        else:
+            self._body_mode, self._keep_alive = "close", False
+        reason = parts[2].decode("latin-1") if len(parts) > 2 else ""
+        self._response = UpstreamResponse(self, status, reason, headers, content_length)
+        if self._body_mode == "length" and self._remaining == 0:
+            self._complete = True
+            self._response._finish()
+        assert self._head_waiter is not None
+        if not self._head_waiter.done():
+            self._head_waiter.set_result(self._response)
+        return True
+
+    def _parse_chunked(self, data: bytes) -> None:
+        response = self._response
+        assert response is not None
+        buf = self._buffer + data if self._buffer else data
+        self._buffer = b""
+        pos = 0
+        out: list[bytes] = []
+        while pos < len(buf):
+            if self._chunk_state == "size":
+                end = buf.find(b"\r\n", pos)
+                if end < 0:
+                    if len(buf) - pos > 1024:
+                        raise UpstreamError("chunk size line too long")
+                    self._buffer = buf[pos:]
+                    break
+                size_text = buf[pos:end].split(b";", 1)[0].strip()
+                try:
+                    self._remaining = int(size_text, 16)
+                except ValueError:
+                    raise UpstreamError(f"bad chunk size: {size_text[:20]!r}") from None
+                pos = end + 2
+                self._chunk_state = "data" if self._remaining else "trailer"
+            elif self._chunk_state == "data":
+                take = min(self._remaining, len(buf) - pos)
+                out.append(buf[pos:pos + take])
+                pos += take
+                self._remaining -= take
+                if self._remaining == 0:
+                    self._chunk_state = "crlf"
+            elif self._chunk_state == "crlf":
+                if len(buf) - pos < 2:
+                    self._buffer = buf[pos:]
+                    break
+                if buf[pos:pos + 2] != b"\r\n":
+                    raise UpstreamError("missing CRLF after chunk data")
+                pos += 2
+                self._chunk_state = "size"
+            else:  # trailer section: lines until an empty one
+                end = buf.find(b"\r\n", pos)
+                if end < 0:
+                    self._buffer = buf[pos:]
+                    break
+                if end == pos:
+                    if end + 2 != len(buf):
+                        self._keep_alive = False
+                    pos = len(buf)
+                    self._complete = True
+                else:
+                    pos = end + 2
+        if out:
+            response._feed(b"".join(out) if len(out) > 1 else out[0])
+        if self._complete:
+            response._finish()
+
+
+class _HostPool:
+    """Idle connections to one replica, most recently used first."""
+
+    def __init__(self, name: str, host: str, port: int, ssl_context: ssl.SSLContext | None,
+                 loop: asyncio.AbstractEventLoop, max_idle: int, idle_timeout_s: float) -> None:
+        self.name = name
+        self.host = host
+        self.port = port
+        self.ssl = ssl_context
+        self.loop = loop
+        self.max_idle = max_idle
+        self.idle_timeout_s = idle_timeout_s
+        self.idle: deque[_Connection] = deque()
+
+    def take_idle(self) -> _Connection | None:
+        now = time.monotonic()
+        while self.idle:
+            conn = self.idle.pop()
+            if conn.closed or (conn.transport is not None and conn.transport.is_closing()):
+                continue
+            if now - conn.idle_since > self.idle_timeout_s:
+                conn.abort()
+                continue
+            conn.reused = True
+            return conn
+        return None
+
+    async def connect(self, timeout_s: float) -> _Connection:
+        async with asyncio.timeout(timeout_s):
+            _, conn = await self.loop.create_connection(
+                lambda: _Connection(self), self.host, self.port, ssl=self.ssl,
+                server_hostname=self.host if self.ssl else None,
+            )
+        return conn
+
+    def release(self, conn: _Connection) -> None:
+        if len(self.idle) >= self.max_idle:
+            conn.abort()
+            return
+        conn.idle_since = time.monotonic()
+        self.idle.append(conn)
+
+    def close(self) -> None:
+        while self.idle:
+            self.idle.pop().abort()
+
+
+class UpstreamPool:
+    """Keep-alive connections to every replica, keyed by base URL."""
+
+    def __init__(self, *, connect_timeout_s: float, max_idle_per_replica: int = 256,
+                 idle_timeout_s: float = 30.0) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.max_idle = max_idle_per_replica
+        self.idle_timeout_s = idle_timeout_s
+        self._pools: dict[str, tuple[_HostPool, bytes, str]] = {}
+        self._ssl: ssl.SSLContext | None = None
+
+    def _pool_for(self, base_url: str) -> tuple[_HostPool, bytes, str]:
+        entry = self._pools.get(base_url)
+        if entry is None:
+            parts = urlsplit(base_url)
+            secure = parts.scheme == "https"
+            port = parts.port or (443 if secure else 80)
+            host = parts.hostname or "127.0.0.1"
+            if secure and self._ssl is None:
+                self._ssl = ssl.create_default_context()
+            pool = _HostPool(base_url, host, port, self._ssl if secure else None,
+                             asyncio.get_running_loop(), self.max_idle, self.idle_timeout_s)
+            default_port = 443 if secure else 80
+            host_header = host if port == default_port else f"{host}:{port}"
+            if ":" in host and not host.startswith("["):
+                host_header = f"[{host}]" if port == default_port else f"[{host}]:{port}"
+            entry = (pool, host_header.encode("latin-1"), parts.path.rstrip("/"))
+            self._pools[base_url] = entry
+        return entry
+
+    async def request(self, base_url: str, method: str, path_qs: str,
+                      headers: Iterable[tuple[str, str]], body: bytes) -> UpstreamResponse:
+        """Send one request and return once the response headers arrived.
+
+        A reused keep-alive connection that the replica had already closed fails before any
+        byte of an answer; the request then goes once more on a fresh connection, as the
+        replica never saw it.
+        """
+        pool, host_header, prefix = self._pool_for(base_url)
+        lines = [f"{method} {prefix}{path_qs} HTTP/1.1\r\nHost: ".encode("latin-1"), host_header, b"\r\n"]
+        for name, value in headers:
+            lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+        lines.append(b"Content-Length: %d\r\n\r\n" % len(body))
+        head = b"".join(lines)
+        conn = pool.take_idle()
+        if conn is not None:
+            try:
+                return await self._exchange(conn, head, body)
+            except UpstreamError:
+                if not conn.failed_silently:
+                    raise
+        conn = await pool.connect(self.connect_timeout_s)
+        return await self._exchange(conn, head, body)
+
+    async def _exchange(self, conn: _Connection, head: bytes, body: bytes) -> UpstreamResponse:
+        try:
+            return await conn.send(head, body)
+        except BaseException:
+            conn.abort()
+            raise
+
+    def close(self) -> None:
+        for pool, _, _ in self._pools.values():
+            pool.close()
+        self._pools.clear()

@@ -1,0 +1,120 @@
+"""`make demo`: a small fleet on 127.0.0.1, kvlb in front, a burst of OpenAI SDK requests.
+
+Starts stand-in replicas and kvlb as child processes, sends chat and completion requests,
+streaming and not, through the unchanged `openai` client, prints which replica served each,
+and stops everything it started, also on Ctrl-C or error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import openai
+
+from loadtest.procs import free_port, start_process, stop_process, wait_for_http
+
+REPLICAS = 4
+MODEL = "demo-model"
+PROMPTS = [
+    "Explain KV caches in one line.",
+    "Why does prefix reuse cut time to first token?",
+    "Name three LLM serving engines.",
+    "What does a load balancer do?",
+]
+
+
+def write_config(path: Path, kvlb_port: int, replica_ports: list[int]) -> None:
+    zones = ["us-east-1a", "us-east-1b"]
+    lines = [
+        "listen: {host: 127.0.0.1, port: %d}" % kvlb_port,
+        "policy: {name: least_load}",
+        "health: {interval_s: 1.0}",
+        "replicas:",
+    ]
+    for i, port in enumerate(replica_ports):
+        lines += [
+            f"  - url: http://127.0.0.1:{port}",
+            f"    name: replica-{i}",
+            f"    model: {MODEL}",
+            f"    labels: {{region: us-east, zone: {zones[i % 2]}, tier: committed}}",
+        ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+async def burst(base_url: str) -> list[tuple[str, str, str]]:
+    served: list[tuple[str, str, str]] = []
+    async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="demo", max_retries=0, timeout=30) as oai:
+
+        async def chat(prompt: str, stream: bool) -> None:
+            messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": prompt}]
+            if stream:
+                raw = await oai.chat.completions.with_raw_response.create(
+                    model=MODEL, messages=messages, max_tokens=6, stream=True
+                )
+                text = "".join([c.choices[0].delta.content or "" async for c in raw.parse() if c.choices])
+                served.append(("chat, streamed", raw.headers["x-kvlb-replica"], text))
+            else:
+                raw = await oai.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=6)
+                served.append(("chat", raw.headers["x-kvlb-replica"], raw.parse().choices[0].message.content))
+
+        async def completion(prompt: str, stream: bool) -> None:
+            if stream:
+                raw = await oai.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=6, stream=True)
+                text = "".join([c.choices[0].text async for c in raw.parse()])
+                served.append(("completion, streamed", raw.headers["x-kvlb-replica"], text))
+            else:
+                raw = await oai.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=6)
+                served.append(("completion", raw.headers["x-kvlb-replica"], raw.parse().choices[0].text))
+
+        jobs = []
+        for i in range(16):
+            prompt = PROMPTS[i % len(PROMPTS)]
+            kind = (chat, completion)[i % 2]
+            jobs.append(kind(prompt, stream=(i // 2) % 2 == 1))
+        await asyncio.gather(*jobs)
+        models = await oai.models.list()
+        print(f"GET /v1/models through kvlb: {[m.id for m in models.data]}")
+    return served
+
+
+async def main() -> int:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    replica_ports = [free_port() for _ in range(REPLICAS)]
+    kvlb_port = free_port()
+    procs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "balancer.yaml"
+        write_config(config, kvlb_port, replica_ports)
+        try:
+            for i, port in enumerate(replica_ports):
+                procs.append(start_process(
+                    [sys.executable, "-m", "balancer.cli", "stub-replica", "--port", str(port),
+                     "--name", f"replica-{i}", "--model", MODEL, "--token-delay-ms", "20"], env))
+            for port in replica_ports:
+                await wait_for_http(f"http://127.0.0.1:{port}/health")
+            procs.append(start_process([sys.executable, "-m", "balancer.cli", "serve", "--config", str(config)], env))
+            base_url = f"http://127.0.0.1:{kvlb_port}"
+            await wait_for_http(base_url + "/ready")
+            print(f"kvlb on {base_url} in front of {REPLICAS} stand-in replicas (policy least_load)\n")
+            served = await burst(base_url)
+            print(f"\n{'#':>3}  {'request':<22} {'served by':<10} answer")
+            for i, (kind, replica, text) in enumerate(served, 1):
+                print(f"{i:>3}  {kind:<22} {replica:<10} {text.strip()[:50]}")
+            counts = Counter(replica for _, replica, _ in served)
+            print("\nrequests per replica: " + ", ".join(f"{r}={n}" for r, n in sorted(counts.items())))
+        finally:
+            for proc in reversed(procs):
+                stop_process(proc)
+    print("stopped every process the demo started")
+    return 0
+
+
+if __name__ == "__main__":
+    import uvloop
+
+    sys.exit(uvloop.run(main()))
