@@ -10,7 +10,13 @@ import signal
 import sys
 from importlib.metadata import entry_points
 
-from balancer.config import ConfigError, Settings, check_config_main, load_settings, settings_from_args
+from balancer.config import (
+    ConfigError,
+    Settings,
+    check_config_main,
+    load_settings,
+    settings_from_args,
+)
 from balancer.logs import configure_logging
 
 log = logging.getLogger("kvlb")
@@ -38,10 +44,10 @@ def _serve_settings(args: argparse.Namespace) -> Settings:
 async def _serve(settings: Settings) -> None:
     from balancer.server import start_balancer
 
-    runner, port = await start_balancer(settings)
+    running = await start_balancer(settings)
     log.info(
         "kvlb listening on http://%s:%d with %d replica(s), policy %s",
-        settings.listen.host, port, len(settings.replicas), settings.policy.name,
+        settings.listen.host, running.port, len(settings.replicas), settings.policy.name,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -51,7 +57,7 @@ async def _serve(settings: Settings) -> None:
         await stop.wait()
     finally:
         log.info("kvlb shutting down")
-        await runner.cleanup()
+        await running.close()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -3,28 +3,18 @@
 from __future__ import annotations
 
 import orjson
-from aiohttp import web
+
+JSON_HEADERS = [("Content-Type", "application/json")]
 
 
 def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
 
 
-def error_response(
-    status: int,
-    message: str,
-    *,
-    code: str | None,
-    type_: str = "invalid_request_error",
-    param: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> web.Response:
-    return web.Response(
-        status=status,
-        body=error_body(message, type_, code, param),
-        content_type="application/json",
-        headers=headers,
-    )
+def error_type_for(status: int) -> str:
+    if status >= 500:
+        return "server_error" if status == 500 else "service_unavailable" if status == 503 else "upstream_error"
+    return "invalid_request_error"
 
 
 class ClientError(Exception):
@@ -36,7 +26,7 @@ class ClientError(Exception):
         message: str,
         code: str,
         *,
-        type_: str = "invalid_request_error",
+        type_: str | None = None,
         param: str | None = None,
         retry_after: int | None = None,
     ) -> None:
@@ -44,19 +34,15 @@ class ClientError(Exception):
         self.status = status
         self.message = message
         self.code = code
-        self.type_ = type_
+        self.type_ = type_ or error_type_for(status)
         self.param = param
         self.retry_after = retry_after
 
-    def response(self, extra_headers: dict[str, str] | None = None) -> web.Response:
-        headers = dict(extra_headers or {})
+    def headers(self) -> list[tuple[str, str]]:
+        headers = list(JSON_HEADERS)
         if self.retry_after is not None:
-            headers["Retry-After"] = str(self.retry_after)
-        return error_response(
-            self.status,
-            self.message,
-            code=self.code,
-            type_=self.type_,
-            param=self.param,
-            headers=headers,
-        )
+            headers.append(("Retry-After", str(self.retry_after)))
+        return headers
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type_, self.code, self.param)

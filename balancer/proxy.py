@@ -15,12 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import orjson
-from aiohttp import web
-from multidict import CIMultiDictProxy
 
 from balancer.config import Settings
 from balancer.errors import ClientError
 from balancer.fleet import Replica
+from balancer.http_server import Headers, Request, ResponseStream
 from balancer.metrics import Metrics
 from balancer.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from policies.base import Choice
@@ -35,8 +34,8 @@ HOP_BY_HOP = frozenset(
     }
 )
 # Recomputed by the side that writes the message.
-REQUEST_DROP = HOP_BY_HOP | {"host", "content-length"}
-RESPONSE_DROP = HOP_BY_HOP | {"content-length", "date", "server"}
+REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
+RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
 RETRY_STATUSES = frozenset({502, 503})
 # Bodies this small with a known length are answered in one write; anything else is relayed
 # chunk by chunk so memory stays flat and streams stay live.
@@ -52,35 +51,34 @@ class Outcome:
     status: int = 0
     attempts: list[str] = field(default_factory=list)
     # Set once response headers went to the client: from then on nothing can be retried.
-    response: web.StreamResponse | None = None
+    stream: ResponseStream | None = None
     sse: bool = False
 
 
-async def end_broken_response(request: web.Request, outcome: Outcome, reason: str) -> None:
+async def end_broken_response(request: Request, outcome: Outcome, reason: str) -> None:
     """End a response that started but cannot finish, so that it never looks complete.
 
-    An SSE client gets a final `data: {"error": ...}` event; any other body is cut by
-    closing the connection without the closing chunk.
+    An SSE client gets a final `data: {"error": ...}` event and a clean end of stream; any
+    other body is cut by closing the connection before its end.
     """
-    out = outcome.response
-    assert out is not None
+    stream = outcome.stream
+    assert stream is not None
     if outcome.sse:
         event = {"error": {"message": reason, "type": "upstream_error", "code": "stream_broken"}}
         with contextlib.suppress(ConnectionError):
-            await out.write(b"data: " + orjson.dumps(event) + b"\n\n")
-            await out.write_eof()
-    elif request.transport is not None:
-        request.transport.abort()
+            await stream.write(b"data: " + orjson.dumps(event) + b"\n\n")
+            await stream.end()
+    else:
+        request.abort()
 
 
-def upstream_headers(headers: CIMultiDictProxy[str], request_id: str, id_header: str) -> list[tuple[str, str]]:
-    connection = headers.get("connection")
+def upstream_headers(headers: Headers, connection: str | None, request_id: str, id_header: str) -> Headers:
     connection_tokens = (
         {token.strip().lower() for token in connection.split(",")} if connection else ()
     )
     out = [
         (name, value)
-        for name, value in headers.items()
+        for name, value in headers
         if (lower := name.lower()) not in REQUEST_DROP
         and lower not in connection_tokens
         and lower != id_header
@@ -99,17 +97,10 @@ class Proxy:
         self.id_header = settings.headers.request_id
 
     async def forward(
-        self,
-        request: web.Request,
-        body: bytes,
-        ranking: Sequence[Choice],
-        request_id: str,
-        outcome: Outcome,
-    ) -> web.StreamResponse:
-        timeouts = self.settings.timeouts
-        loop = asyncio.get_running_loop()
-        headers = upstream_headers(request.headers, request_id, self.id_header)
-        path_qs = request.rel_url.raw_path_qs
+        self, request: Request, ranking: Sequence[Choice], request_id: str, outcome: Outcome
+    ) -> None:
+        first_byte_s = self.settings.timeouts.first_byte_s
+        headers = upstream_headers(request.headers, request.header("connection"), request_id, self.id_header)
         failures: list[str] = []
         for choice in ranking[: self.max_attempts]:
             replica: Replica = choice.replica  # type: ignore[assignment]
@@ -119,29 +110,26 @@ class Proxy:
             resp: UpstreamResponse | None = None
             try:
                 try:
-                    async with asyncio.timeout(timeouts.first_byte_s):
-                        resp = await self.pool.request(
-                            replica.url, request.method, path_qs, headers, body
-                        )
+                    resp = await self.pool.request(
+                        replica.url, request.method, request.target, headers, request.body, first_byte_s
+                    )
                 except (TimeoutError, OSError) as exc:
                     kind = "timeout" if isinstance(exc, TimeoutError) else "connect_error"
                     failures.append(f"{replica.name}: {kind} ({exc.__class__.__name__})")
-                    self._count_attempt(replica.name, kind)
+                    self.metrics.count_attempt(replica.name, kind)
                     continue
                 if resp.status in RETRY_STATUSES:
                     failures.append(f"{replica.name}: HTTP {resp.status}")
-                    self._count_attempt(replica.name, f"http_{resp.status}")
-                    resp.close()
-                    resp = None
+                    self.metrics.count_attempt(replica.name, f"http_{resp.status}")
                     continue
-                self._count_attempt(replica.name, "ok")
+                self.metrics.count_attempt(replica.name, "ok")
                 outcome.status = resp.status
-                return await self._relay(request, resp, replica, request_id, outcome, loop)
+                await self._relay(request, resp, replica, request_id, outcome)
+                return
             finally:
                 if resp is not None:
                     resp.close()
                 replica.in_flight -= 1
-        outcome.replica = "none"
         raise ClientError(
             502,
             f"all {len(failures)} attempt(s) failed: " + "; ".join(failures),
@@ -149,10 +137,7 @@ class Proxy:
             type_="upstream_error",
         )
 
-    def _count_attempt(self, replica: str, outcome: str) -> None:
-        self.metrics.count_attempt(replica, outcome)
-
-    def _response_headers(self, resp: UpstreamResponse, replica: Replica, request_id: str) -> list[tuple[str, str]]:
+    def _response_headers(self, resp: UpstreamResponse, replica: Replica, request_id: str) -> Headers:
         id_header = self.id_header
         out = [
             (name, value) for name, value in resp.headers
@@ -164,45 +149,36 @@ class Proxy:
         return out
 
     async def _relay(
-        self,
-        request: web.Request,
-        resp: UpstreamResponse,
-        replica: Replica,
-        request_id: str,
-        outcome: Outcome,
-        loop: asyncio.AbstractEventLoop,
-    ) -> web.StreamResponse:
+        self, request: Request, resp: UpstreamResponse, replica: Replica, request_id: str, outcome: Outcome
+    ) -> None:
         idle_s = self.settings.timeouts.stream_idle_s
         headers = self._response_headers(resp, replica, request_id)
         length = resp.content_length
-        content_type = resp.header("Content-Type") or ""
-        is_sse = content_type.startswith("text/event-stream")
+        is_sse = (resp.header("Content-Type") or "").startswith("text/event-stream")
         if length is not None and length <= BUFFER_LIMIT_BYTES and not is_sse:
             if resp.complete:
-                data = await resp.read(BUFFER_LIMIT_BYTES)  # no wait, so no timer to arm
+                data = await resp.read(BUFFER_LIMIT_BYTES)  # nothing to wait for, so no timer
             else:
                 async with asyncio.timeout(idle_s):
                     data = await resp.read(BUFFER_LIMIT_BYTES)
-            return web.Response(status=resp.status, body=data, headers=headers)
+            request.respond(resp.status, headers, data)
+            return
 
-        out = web.StreamResponse(status=resp.status, headers=headers)
-        if length is not None:
-            out.content_length = length
-        await out.prepare(request)
-        outcome.response, outcome.sse = out, is_sse
+        stream = await request.start_stream(resp.status, headers, length)
+        outcome.stream, outcome.sse = stream, is_sse
+        loop = asyncio.get_running_loop()
         try:
+            # One timer for the whole stream, pushed back on every chunk: a stream may last
+            # minutes, but no gap between chunks may exceed stream_idle_s.
             async with asyncio.timeout(idle_s) as idle:
                 async for chunk in resp.iter_chunks():
-                    await out.write(chunk)
+                    await stream.write(chunk)
                     idle.reschedule(loop.time() + idle_s)
         except (UpstreamError, TimeoutError) as exc:
-            # The answer has started, so no retry: make the break visible instead of ending
-            # the stream cleanly, which a client would take for a complete answer.
             log.warning("request %s: stream from %s broke: %r", request_id, replica.name, exc)
             self.metrics.count_attempt(replica.name, "broken_stream")
-            reason = f"the stream from replica {replica.name} broke: {exc.__class__.__name__}"
-            await end_broken_response(request, outcome, reason)
-            return out
-        await out.write_eof()
-        return out
-
+            await end_broken_response(
+                request, outcome, f"the stream from replica {replica.name} broke: {exc.__class__.__name__}"
+            )
+            return
+        await stream.end()

@@ -40,8 +40,9 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
 
 
 def parse_request(
-    route: str, body: bytes, headers: Mapping[str, str], *, with_prompt: bool = False
+    route: str, body: bytes, session_header: str | None, *, with_prompt: bool = False
 ) -> RequestFeatures:
+    """`session_header` is the value of the `x-session-id` header, if any."""
     data = parse_json_object(body)
     model = data.get("model")
     if model is None:
@@ -52,7 +53,7 @@ def parse_request(
     elif not isinstance(model, str) or not model:
         raise ClientError(400, "model must be a non-empty string", "invalid_model", param="model")
 
-    session_key = headers.get(SESSION_HEADER)
+    session_key = session_header
     if not session_key:
         user = data.get("user")
         session_key = user if isinstance(user, str) and user else None

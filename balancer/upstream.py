@@ -251,33 +251,32 @@ class _Connection(asyncio.Protocol):
             response._feed(data)
 
     def _start_response(self, head: bytes) -> bool:
-        lines = head.split(b"\r\n")
-        parts = lines[0].split(b" ", 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-            raise UpstreamError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+        status_line, _, block = head.decode("latin-1").partition("\r\n")
+        parts = status_line.split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+            raise UpstreamError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
         status = int(parts[1])
         if 100 <= status < 200:
             return False
         headers: list[tuple[str, str]] = []
         content_length: int | None = None
         chunked = False
-        keep_alive = parts[0] == b"HTTP/1.1"
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
+        keep_alive = parts[0] == "HTTP/1.1"
+        for line in block.split("\r\n") if block else ():
+            name, sep, value = line.partition(":")
             if not sep:
                 raise UpstreamError(f"malformed header line: {line[:80]!r}")
-            name_s = name.strip().decode("latin-1")
-            value_s = value.strip().decode("latin-1")
-            headers.append((name_s, value_s))
-            lower = name_s.lower()
+            value = value.strip()
+            headers.append((name, value))
+            lower = name.lower()
             if lower == "content-length":
-                if not value_s.isdigit():
-                    raise UpstreamError(f"bad Content-Length: {value_s!r}")
-                content_length = int(value_s)
+                if not value.isdigit():
+                    raise UpstreamError(f"bad Content-Length: {value!r}")
+                content_length = int(value)
             elif lower == "transfer-encoding":
-                chunked = value_s.lower().endswith("chunked")
+                chunked = value.lower().endswith("chunked")
             elif lower == "connection":
-                tokens = value_s.lower()
+                tokens = value.lower()
                 if "close" in tokens:
                     keep_alive = False
                 elif "keep-alive" in tokens:
@@ -293,7 +292,7 @@ class _Connection(asyncio.Protocol):
             self._body_mode, self._remaining = "length", content_length
         else:
             self._body_mode, self._keep_alive = "close", False
-        reason = parts[2].decode("latin-1") if len(parts) > 2 else ""
+        reason = parts[2] if len(parts) > 2 else ""
         self._response = UpstreamResponse(self, status, reason, headers, content_length)
         if self._body_mode == "length" and self._remaining == 0:
             self._complete = True
@@ -405,6 +404,11 @@ class _HostPool:
             self.idle.pop().abort()
 
 
+def _expire(waiter: asyncio.Future[UpstreamResponse]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError("no response headers in time"))
+
+
 class UpstreamPool:
     """Keep-alive connections to every replica, keyed by base URL."""
 
@@ -413,10 +417,10 @@ class UpstreamPool:
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle_per_replica
         self.idle_timeout_s = idle_timeout_s
-        self._pools: dict[str, tuple[_HostPool, bytes, str]] = {}
+        self._pools: dict[str, tuple[_HostPool, str, str]] = {}
         self._ssl: ssl.SSLContext | None = None
 
-    def _pool_for(self, base_url: str) -> tuple[_HostPool, bytes, str]:
+    def _pool_for(self, base_url: str) -> tuple[_HostPool, str, str]:
         entry = self._pools.get(base_url)
         if entry is None:
             parts = urlsplit(base_url)
@@ -431,40 +435,49 @@ class UpstreamPool:
             host_header = host if port == default_port else f"{host}:{port}"
             if ":" in host and not host.startswith("["):
                 host_header = f"[{host}]" if port == default_port else f"[{host}]:{port}"
-            entry = (pool, host_header.encode("latin-1"), parts.path.rstrip("/"))
+            entry = (pool, host_header, parts.path.rstrip("/"))
             self._pools[base_url] = entry
         return entry
 
     async def request(self, base_url: str, method: str, path_qs: str,
-                      headers: Iterable[tuple[str, str]], body: bytes) -> UpstreamResponse:
+                      headers: Iterable[tuple[str, str]], body: bytes,
+                      first_byte_timeout_s: float) -> UpstreamResponse:
         """Send one request and return once the response headers arrived.
+
+        Raises TimeoutError when connecting and the response headers take longer than
+        `first_byte_timeout_s` together.
 
         A reused keep-alive connection that the replica had already closed fails before any
         byte of an answer; the request then goes once more on a fresh connection, as the
         replica never saw it.
         """
         pool, host_header, prefix = self._pool_for(base_url)
-        lines = [f"{method} {prefix}{path_qs} HTTP/1.1\r\nHost: ".encode("latin-1"), host_header, b"\r\n"]
-        for name, value in headers:
-            lines.append(f"{name}: {value}\r\n".encode("latin-1"))
-        lines.append(b"Content-Length: %d\r\n\r\n" % len(body))
-        head = b"".join(lines)
+        lines = [f"{method} {prefix}{path_qs} HTTP/1.1\r\nHost: {host_header}\r\n"]
+        lines += [f"{name}: {value}\r\n" for name, value in headers]
+        lines.append(f"Content-Length: {len(body)}\r\n\r\n")
+        head = "".join(lines).encode("latin-1")
+        deadline = pool.loop.time() + first_byte_timeout_s
         conn = pool.take_idle()
         if conn is not None:
             try:
-                return await self._exchange(conn, head, body)
+                return await self._exchange(conn, head, body, deadline)
             except UpstreamError:
                 if not conn.failed_silently:
                     raise
-        conn = await pool.connect(self.connect_timeout_s)
-        return await self._exchange(conn, head, body)
+        conn = await pool.connect(min(self.connect_timeout_s, deadline - pool.loop.time()))
+        return await self._exchange(conn, head, body, deadline)
 
-    async def _exchange(self, conn: _Connection, head: bytes, body: bytes) -> UpstreamResponse:
+    async def _exchange(self, conn: _Connection, head: bytes, body: bytes, deadline: float) -> UpstreamResponse:
+        waiter = conn.send(head, body)
+        # A plain timer on the future: cheaper than a timeout context on the hot path.
+        timer = conn.loop.call_at(deadline, _expire, waiter)
         try:
-            return await conn.send(head, body)
+            return await waiter
         except BaseException:
             conn.abort()
             raise
+        finally:
+            timer.cancel()
 
     def close(self) -> None:
         for pool, _, _ in self._pools.values():

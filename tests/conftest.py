@@ -11,9 +11,8 @@ import pytest
 from aiohttp import web
 
 from balancer.config import Settings, parse_settings
-from balancer.server import BALANCER_KEY, Balancer, BalancerRunner, build_app
+from balancer.server import Balancer, start_balancer
 from loadtest.stub_replica import make_stub_app
-
 
 # Test servers stay below 32768: ports above are the kernel's ephemeral range, where an
 # outgoing connection may already hold the port.
@@ -79,22 +78,30 @@ def make_settings(replicas: list[str | dict[str, Any]], **sections: Any) -> Sett
     return parse_settings(_merge(data, sections))
 
 
-class RunningBalancer:
+@asynccontextmanager
+async def run_balancer(settings: Settings) -> AsyncIterator[TestBalancer]:
+    """A balancer on a free test port of 127.0.0.1, stopped on exit."""
+    last_error: OSError | None = None
+    for _ in range(50):
+        try:
+            running = await start_balancer(settings, port=random.randrange(*TEST_PORT_RANGE))
+        except OSError as exc:
+            last_error = exc
+            continue
+        try:
+            yield TestBalancer(f"http://127.0.0.1:{running.port}", running.balancer)
+        finally:
+            await running.close(grace_s=1.0)
+        return
+    raise RuntimeError(f"no free test port: {last_error}")
+
+
+class TestBalancer:
+    __test__ = False  # not a test class, whatever its name
+
     def __init__(self, url: str, balancer: Balancer) -> None:
         self.url = url
         self.balancer = balancer
-
-
-@asynccontextmanager
-async def run_balancer(settings: Settings) -> AsyncIterator[RunningBalancer]:
-    app = build_app(settings)
-    runner = BalancerRunner(app, settings)
-    await runner.setup()
-    try:
-        port = await start_site(runner)
-        yield RunningBalancer(f"http://127.0.0.1:{port}", app[BALANCER_KEY])
-    finally:
-        await runner.cleanup()
 
 
 @pytest.fixture

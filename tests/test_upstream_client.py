@@ -58,7 +58,7 @@ def split_every(data: bytes, n: int) -> list[bytes]:
 
 
 async def fetch(pool: UpstreamPool, url: str) -> tuple[int, bytes, dict]:
-    resp = await pool.request(url, "POST", "/v1/x", [("Content-Type", "application/json")], b"{}")
+    resp = await pool.request(url, "POST", "/v1/x", [("Content-Type", "application/json")], b"{}", 5.0)
     try:
         body = await resp.read(1 << 20)
         return resp.status, body, dict(resp.headers)
@@ -153,7 +153,7 @@ async def test_request_bytes_on_the_wire() -> None:
     port = free_port()
     server = await asyncio.start_server(handle, "127.0.0.1", port)
     pool = UpstreamPool(connect_timeout_s=2)
-    resp = await pool.request(f"http://127.0.0.1:{port}/prefix/", "POST", "/v1/a?b=1", [("X-K", "v")], b"body")
+    resp = await pool.request(f"http://127.0.0.1:{port}/prefix/", "POST", "/v1/a?b=1", [("X-K", "v")], b"body", 5.0)
     assert resp.status == 204 and await resp.read(10) == b""
     resp.close()
     pool.close()

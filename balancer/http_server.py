@@ -1,0 +1,518 @@
+"""The client-facing HTTP/1.1 server: one asyncio protocol per connection, no framework.
+
+A general web framework spends several times the CPU of everything else the proxy does per
+request (request objects, routing tables, middleware and signal plumbing). This server does
+only what a proxy needs: parse the request line, headers and body framing, enforce limits
+and deadlines, hand the complete request to one handler, and write what it answers, either
+in one piece or streamed with backpressure. A client that goes away cancels its handler, and
+with it the request to the replica.
+
+Framing follows RFC 9112: Content-Length or chunked request bodies (both at once is refused,
+as it is the classic request-smuggling vector), `Expect: 100-continue`, keep-alive by default
+on HTTP/1.1, pipelined requests answered in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from email.utils import formatdate
+from http import HTTPStatus
+
+log = logging.getLogger("kvlb.http")
+
+Headers = list[tuple[str, str]]
+_REASONS = {s.value: s.phrase for s in HTTPStatus}
+# RFC 9110 tokens for methods and header names; header values: visible ASCII, tab, space and
+# obs-text, so no CR, LF or NUL can smuggle a second header or request through.
+_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_REQUEST_LINE = re.compile(rb"(" + _TOKEN + rb") (/[\x21-\x7e\x80-\xff]*) (HTTP/1\.[01])")
+_HEADER_BLOCK = re.compile(rb"(?:" + _TOKEN + rb":[\t\x20-\x7e\x80-\xff]*\r\n)*")
+
+
+class HttpError(Exception):
+    """A request that cannot be read; answered with `status` and the connection closed."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+class Request:
+    """One parsed request; `headers` keeps names as sent, `header()` looks up case-blind."""
+
+    __slots__ = ("method", "target", "path", "version", "headers", "_lookup", "body", "remote",
+                 "_conn")
+
+    def __init__(self, method: str, target: str, version: str, headers: Headers,
+                 lookup: dict[str, str], conn: _Connection) -> None:
+        self.method = method
+        self.target = target  # path and query as sent
+        self.path = target.split("?", 1)[0]
+        self.version = version
+        self.headers = headers
+        self._lookup = lookup
+        self.body = b""
+        self.remote = conn.peer
+        self._conn = conn
+
+    def header(self, name: str) -> str | None:
+        return self._lookup.get(name)  # names are stored lower-case
+
+    # answering --------------------------------------------------------------------------------
+
+    def respond(self, status: int, headers: Iterable[tuple[str, str]], body: bytes) -> None:
+        """Answer in one piece."""
+        self._conn.write_response(self, status, headers, body)
+
+    async def start_stream(self, status: int, headers: Iterable[tuple[str, str]],
+                           content_length: int | None = None) -> ResponseStream:
+        """Begin an answer whose body follows in pieces (chunked unless the length is known)."""
+        return self._conn.start_stream(self, status, headers, content_length)
+
+    @property
+    def answered(self) -> bool:
+        return self._conn.response_started
+
+    def abort(self) -> None:
+        """Cut the connection: the client sees an incomplete answer, never a finished one."""
+        self._conn.abort()
+
+
+class ResponseStream:
+    __slots__ = ("_conn", "_chunked", "_ended")
+
+    def __init__(self, conn: _Connection, chunked: bool) -> None:
+        self._conn = conn
+        self._chunked = chunked
+        self._ended = False
+
+    async def write(self, data: bytes) -> None:
+        if not data:
+            return
+        conn = self._conn
+        if conn.closed:
+            raise ConnectionResetError("client went away")
+        if self._chunked:
+            conn.transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
+        else:
+            conn.transport.write(data)
+        if conn.write_paused:
+            await conn.drain()
+
+    async def end(self) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        if self._chunked and not self._conn.closed:
+            self._conn.transport.write(b"0\r\n\r\n")
+
+
+Handler = Callable[[Request], Awaitable[None]]
+# (status, message, code, the request's headers when they were read) -> (headers, body)
+ErrorBody = Callable[[int, str, str, "Request | None"], tuple[Headers, bytes]]
+
+
+class ServerLimits:
+    __slots__ = ("max_header_bytes", "max_body_bytes", "header_timeout_s", "body_timeout_s",
+                 "keepalive_timeout_s", "max_headers")
+
+    def __init__(self, *, max_header_bytes: int = 16384, max_body_bytes: int = 32 << 20,
+                 header_timeout_s: float = 30.0, body_timeout_s: float = 60.0,
+                 keepalive_timeout_s: float = 75.0, max_headers: int = 128) -> None:
+        self.max_header_bytes = max_header_bytes
+        self.max_body_bytes = max_body_bytes
+        self.header_timeout_s = header_timeout_s
+        self.body_timeout_s = body_timeout_s
+        self.keepalive_timeout_s = keepalive_timeout_s
+        self.max_headers = max_headers
+
+
+class HttpServer:
+    """Shared by every connection: the handler, the limits and the open connections."""
+
+    def __init__(self, handler: Handler, error_body: ErrorBody, limits: ServerLimits) -> None:
+        self.handler = handler
+        self.error_body = error_body
+        self.limits = limits
+        self.connections: set[_Connection] = set()
+        self._server: asyncio.Server | None = None
+        self._date = b""
+        self._date_second = -1
+
+    def date_header(self, now: float) -> bytes:
+        second = int(now)
+        if second != self._date_second:
+            self._date_second = second
+            self._date = formatdate(second, usegmt=True).encode()
+        return self._date
+
+    async def listen(self, host: str, port: int, backlog: int = 1024) -> int:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Connection(self), host, port, backlog=backlog)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def close(self, grace_s: float = 10.0) -> None:
+        """Stop accepting; let requests in progress finish within `grace_s`; close the rest."""
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            if conn.handler_task is None:
+                conn.abort()
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while any(c.handler_task is not None for c in self.connections):
+            if asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        for conn in list(self.connections):
+            conn.abort()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.limits = server.limits
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.peer = ""
+        self.closed = False
+        self.write_paused = False
+        self._drain_waiter: asyncio.Future[None] | None = None
+        self._buffer = bytearray()
+        self._request: Request | None = None  # the request whose body is being read
+        self._body_left = 0
+        self._chunked = False
+        self._chunk_state = "size"
+        self._body_parts: list[bytes] = []
+        self._body_size = 0
+        self._keep_alive = True
+        self.handler_task: asyncio.Task[None] | None = None
+        self.response_started = False
+        self._reading_paused = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    # connection lifecycle ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        self.peer = peer[0] if isinstance(peer, tuple) else ""
+        self.server.connections.add(self)
+        self._arm(self.limits.keepalive_timeout_s, self._idle_expired)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        self._disarm()
+        if self.handler_task is not None and not self.handler_task.done():
+            self.handler_task.cancel()
+        if self._drain_waiter is not None and not self._drain_waiter.done():
+            self._drain_waiter.set_exception(ConnectionResetError("client went away"))
+
+    def eof_received(self) -> bool:
+        return False  # a half-closed client is gone: close, which cancels its request
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self._drain_waiter is not None and not self._drain_waiter.done():
+            self._drain_waiter.set_result(None)
+
+    async def drain(self) -> None:
+        if self.closed:
+            raise ConnectionResetError("client went away")
+        if self.write_paused:
+            self._drain_waiter = self.loop.create_future()
+            await self._drain_waiter
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(delay_s, callback)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _idle_expired(self) -> None:
+        self._timer = None
+        if self.handler_task is None and not self._buffer:
+            self.transport.close()
+
+    def _read_expired(self) -> None:
+        self._timer = None
+        if self.handler_task is None:
+            self._refuse(HttpError(408, "the request was not received in time", "request_timeout"))
+
+    # reading -----------------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        if self.handler_task is not None:
+            # Pipelined: the next request waits for this one's answer, within bounds.
+            if len(self._buffer) > self.limits.max_header_bytes + self.limits.max_body_bytes:
+                self.transport.pause_reading()
+                self._reading_paused = True
+            return
+        try:
+            self._process()
+        except HttpError as exc:
+            self._refuse(exc)
+
+    def _process(self) -> None:
+        while self.handler_task is None and not self.closed:
+            if self._request is None:
+                if not self._read_head():
+                    return
+            if not self._read_body():
+                return
+            request, self._request = self._request, None
+            assert request is not None
+            request.body = b"".join(self._body_parts) if len(self._body_parts) != 1 else self._body_parts[0]
+            self._body_parts = []
+            self._disarm()
+            self.response_started = False
+            self.handler_task = self.loop.create_task(self._run(request))
+
+    def _read_head(self) -> bool:
+        buf = self._buffer
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buf) > self.limits.max_header_bytes:
+                raise HttpError(431, "request headers are larger than limits.max_header_bytes",
+                                "headers_too_large")
+            if buf:
+                self._arm(self.limits.header_timeout_s, self._read_expired)
+            return False
+        if end > self.limits.max_header_bytes:
+            raise HttpError(431, "request headers are larger than limits.max_header_bytes",
+                            "headers_too_large")
+        head = bytes(buf[:end])
+        del buf[: end + 4]
+        # Stray CRLFs between requests are tolerated (RFC 9112 §2.2).
+        head = head.lstrip(b"\r\n")
+        if not head:
+            return False
+        request_line, _, block = head.partition(b"\r\n")
+        match = _REQUEST_LINE.fullmatch(request_line)
+        if match is None:
+            raise HttpError(400, "malformed request line", "bad_request")
+        if block and _HEADER_BLOCK.fullmatch(block + b"\r\n") is None:
+            raise HttpError(400, "malformed header line or invalid character in a header",
+                            "bad_request")
+        method, target, version = (part.decode("latin-1") for part in match.groups())
+        lines = block.decode("latin-1").split("\r\n") if block else []
+        if len(lines) > self.limits.max_headers:
+            raise HttpError(431, "too many request headers", "headers_too_large")
+        headers: Headers = []
+        lookup: dict[str, str] = {}
+        for line in lines:
+            name, _, value = line.partition(":")
+            value = value.strip(" \t")
+            headers.append((name, value))
+            lower = name.lower()
+            if lower in lookup:
+                if lower == "content-length" and lookup[lower] != value:
+                    raise HttpError(400, "conflicting Content-Length headers", "bad_request")
+                lookup[lower] = f"{lookup[lower]}, {value}"
+            else:
+                lookup[lower] = value
+        request = Request(method, target, version, headers, lookup, self)
+        self._frame_body(request, lookup, version)
+        self._request = request
+        return True
+    def _frame_body(self, request: Request, lookup: dict[str, str], version: str) -> None:
+        connection = lookup.get("connection", "").lower()
+        if version == "HTTP/1.0":
+            self._keep_alive = "keep-alive" in connection
+        else:
+            self._keep_alive = "close" not in connection
+        transfer_encoding = lookup.get("transfer-encoding")
+        length_text = lookup.get("content-length")
+        self._body_parts, self._body_size = [], 0
+        if transfer_encoding is not None:
+            if length_text is not None:
+                raise HttpError(400, "both Transfer-Encoding and Content-Length", "bad_request")
+            if transfer_encoding.strip().lower() != "chunked":
+                raise HttpError(501, f"unsupported Transfer-Encoding {transfer_encoding!r}",
+                                "unsupported_transfer_encoding")
+            self._chunked, self._chunk_state, self._body_left = True, "size", 0
+        else:
+            self._chunked = False
+            if length_text is None:
+                self._body_left = 0
+            elif not length_text.isdigit() or len(length_text) > 15:
+                raise HttpError(400, f"invalid Content-Length {length_text!r}", "bad_request")
+            else:
+                self._body_left = int(length_text)
+            if self._body_left > self.limits.max_body_bytes:
+                raise HttpError(413, f"{self._body_left} bytes exceeds limits.max_body_bytes "
+                                     f"({self.limits.max_body_bytes} bytes)", "request_too_large")
+        if (self._chunked or self._body_left) and \
+                lookup.get("expect", "").lower() == "100-continue":
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def _take_body(self, data: bytes | bytearray) -> None:
+        self._body_size += len(data)
+        if self._body_size > self.limits.max_body_bytes:
+            raise HttpError(413, f"the request body exceeds limits.max_body_bytes "
+                                 f"({self.limits.max_body_bytes} bytes)", "request_too_large")
+        self._body_parts.append(bytes(data))
+
+    def _read_body(self) -> bool:
+        buf = self._buffer
+        if not self._chunked:
+            if self._body_left:
+                take = min(self._body_left, len(buf))
+                if take:
+                    self._take_body(buf[:take])
+                    del buf[:take]
+                    self._body_left -= take
+                if self._body_left:
+                    self._arm(self.limits.body_timeout_s, self._read_expired)
+                    return False
+            return True
+        while True:
+            if self._chunk_state == "size":
+                end = buf.find(b"\r\n")
+                if end < 0:
+                    if len(buf) > 1024:
+                        raise HttpError(400, "chunk size line too long", "bad_request")
+                    break
+                size_text = bytes(buf[:end]).split(b";", 1)[0].strip()
+                try:
+                    self._body_left = int(size_text, 16)
+                except ValueError:
+                    raise HttpError(400, "malformed chunk size", "bad_request") from None
+                del buf[: end + 2]
+                self._chunk_state = "data" if self._body_left else "trailer"
+            elif self._chunk_state == "data":
+                take = min(self._body_left, len(buf))
+                if not take:
+                    break
+                self._take_body(buf[:take])
+                del buf[:take]
+                self._body_left -= take
+                if self._body_left:
+                    break
+                self._chunk_state = "crlf"
+            elif self._chunk_state == "crlf":
+                if len(buf) < 2:
+                    break
+                if buf[:2] != b"\r\n":
+                    raise HttpError(400, "missing CRLF after a chunk", "bad_request")
+                del buf[:2]
+                self._chunk_state = "size"
+            else:  # trailers, ignored, up to the empty line
+                end = buf.find(b"\r\n")
+                if end < 0:
+                    if len(buf) > self.limits.max_header_bytes:
+                        raise HttpError(431, "trailers too large", "headers_too_large")
+                    break
+                del buf[: end + 2]
+                if end == 0:
+                    return True
+        self._arm(self.limits.body_timeout_s, self._read_expired)
+        return False
+
+    def _refuse(self, exc: HttpError) -> None:
+        """Answer a request that could not be read, then close: its framing cannot be trusted."""
+        if self.closed:
+            return
+        self._keep_alive = False
+        self.response_started = False
+        headers, body = self.server.error_body(exc.status, exc.message, exc.code, self._request)
+        self._write_head(exc.status, headers, len(body), close=True)
+        self.transport.write(body)
+        self.transport.close()
+        self.closed = True
+
+    # running and answering ----------------------------------------------------------------------
+
+    async def _run(self, request: Request) -> None:
+        try:
+            await self.server.handler(request)
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            log.exception("unhandled error answering %s %s", request.method, request.path)
+            if not self.response_started and not self.closed:
+                headers, body = self.server.error_body(
+                    500, "internal error in the balancer", "internal_error", request
+                )
+                self.write_response(request, 500, headers, body)
+            else:
+                self.abort()
+        finally:
+            if not self.response_started and not self.closed:
+                self.abort()  # a handler that never answered must not leave the client hanging
+            self.handler_task = None
+            if not self.closed:
+                if self._keep_alive:
+                    if self._reading_paused:
+                        self._reading_paused = False
+                        self.transport.resume_reading()
+                    if self._buffer:
+                        try:
+                            self._process()
+                        except HttpError as exc:
+                            self._refuse(exc)
+                    if self.handler_task is None and self._timer is None:
+                        self._arm(self.limits.keepalive_timeout_s, self._idle_expired)
+                else:
+                    self.transport.close()
+
+    def _write_head(self, status: int, headers: Iterable[tuple[str, str]], length: int | None,
+                    *, close: bool = False, chunked: bool = False) -> None:
+        self.response_started = True
+        reason = _REASONS.get(status, "Unknown")
+        parts = [f"HTTP/1.1 {status} {reason}\r\n"]
+        has_date = False
+        for name, value in headers:
+            parts.append(f"{name}: {value}\r\n")
+            if not has_date and len(name) == 4 and name.lower() == "date":
+                has_date = True
+        if length is not None:
+            parts.append(f"Content-Length: {length}\r\n")
+        elif chunked:
+            parts.append("Transfer-Encoding: chunked\r\n")
+        if close or not self._keep_alive:
+            self._keep_alive = False
+            parts.append("Connection: close\r\n")
+        head = "".join(parts).encode("latin-1")
+        if not has_date:
+            head += b"Date: " + self.server.date_header(time.time()) + b"\r\n"
+        self.transport.write(head + b"\r\n")
+
+    def write_response(self, request: Request, status: int, headers: Iterable[tuple[str, str]],
+                       body: bytes) -> None:
+        if self.closed:
+            return
+        head_only = request.method == "HEAD"
+        self._write_head(status, headers, len(body))
+        if body and not head_only:
+            self.transport.write(body)
+
+    def start_stream(self, request: Request, status: int, headers: Iterable[tuple[str, str]],
+                     content_length: int | None) -> ResponseStream:
+        if self.closed:
+            raise ConnectionResetError("client went away")
+        chunked = content_length is None and request.version != "HTTP/1.0"
+        if content_length is None and not chunked:
+            self._keep_alive = False  # HTTP/1.0: the end of the body is the end of the connection
+        self._write_head(status, headers, content_length, chunked=chunked)
+        return ResponseStream(self, chunked)

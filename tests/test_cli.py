@@ -1,0 +1,80 @@
+"""The `kvlb` command as a user runs it: real processes on 127.0.0.1, stopped by signal."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import aiohttp
+
+from loadtest.procs import start_process, stop_process, wait_for_http
+from loadtest.stub_replica import make_stub_app
+from tests.conftest import free_port, serve_app
+
+KVLB = [sys.executable, "-m", "balancer.cli"]
+
+
+async def test_serve_quick_start_forwards_and_stops_on_sigterm() -> None:
+    async with AsyncExitStack() as stack:
+        a = await stack.enter_async_context(serve_app(make_stub_app("a")))
+        b = await stack.enter_async_context(serve_app(make_stub_app("b")))
+        port = free_port()
+        proc = start_process(KVLB + ["serve", "--replica", a, "--replica", b, "--policy", "round_robin",
+                                     "--port", str(port)], quiet=False)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            await wait_for_http(url + "/ready")
+            served = set()
+            async with aiohttp.ClientSession() as http:
+                for _ in range(4):
+                    async with http.post(url + "/v1/completions", json={"model": "stub-model", "prompt": "x"}) as resp:
+                        assert resp.status == 200
+                        served.add(resp.headers["x-kvlb-replica"])
+            assert len(served) == 2
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(10) == 0
+        finally:
+            stop_process(proc)
+
+
+async def test_serve_with_config_file(tmp_path: Path) -> None:
+    async with serve_app(make_stub_app("only", model="m1")) as replica:
+        port = free_port()
+        config = tmp_path / "kvlb.yaml"
+        config.write_text(f"listen: {{port: {port}}}\nreplicas:\n  - url: {replica}\n    name: only\n"
+                          "logging: {format: json}\n")
+        proc = start_process(KVLB + ["serve", "--config", str(config)], quiet=False)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            await wait_for_http(url + "/ready")
+            async with aiohttp.ClientSession() as http:
+                async with http.get(url + "/v1/models") as resp:
+                    assert [m["id"] for m in (await resp.json())["data"]] == ["m1"]
+                async with http.get(url + "/metrics") as resp:
+                    text = await resp.text()
+                    assert 'kvlb_in_flight_requests{replica="only"} 0.0' in text
+        finally:
+            stop_process(proc)
+
+
+def test_serve_without_replicas_or_with_a_bad_config_explains(tmp_path: Path) -> None:
+    run = subprocess.run(KVLB + ["serve"], capture_output=True, text=True, timeout=30)
+    assert run.returncode == 2
+    assert "--replica" in run.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("replicas:\n  - url: ftp://nope\ntimeouts: {connect_s: fast}\n")
+    run = subprocess.run(KVLB + ["serve", "--config", str(bad)], capture_output=True, text=True, timeout=30)
+    assert run.returncode == 2
+    assert "replicas[0].url" in run.stderr and "timeouts.connect_s" in run.stderr
+
+
+def test_demo_runs_and_cleans_up() -> None:
+    run = subprocess.run([sys.executable, "-m", "loadtest.demo"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    for i in range(4):
+        assert f"replica-{i}" in run.stdout
+    assert "chat, streamed" in run.stdout and "completion, streamed" in run.stdout
+    assert "stopped every process" in run.stdout
