@@ -31,7 +31,7 @@ PROMPTS = [
 def write_config(path: Path, kvlb_port: int, replica_ports: list[int]) -> None:
     zones = ["us-east-1a", "us-east-1b"]
     lines = [
-        "listen: {host: 127.0.0.1, port: %d}" % kvlb_port,
+        f"listen: {{host: 127.0.0.1, port: {kvlb_port}}}",
         "policy: {name: least_load}",
         "health: {interval_s: 1.0}",
         "replicas:",

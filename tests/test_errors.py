@@ -11,7 +11,7 @@ import pytest
 
 from loadtest.stub_replica import make_stub_app
 from tests.conftest import free_port, make_settings, run_balancer, serve_app
-from tests.upstreams import Seen, slow_sse_app
+from tests.upstreams import Seen, hanging_app, slow_sse_app
 
 
 def assert_openai_error(body: bytes, code: str) -> dict:
@@ -137,3 +137,40 @@ async def test_bad_requests_do_not_disturb_streams_in_flight() -> None:
         for raw in results[:5]:
             assert raw.count(b"data: {") == 10
             assert raw.endswith(b"data: [DONE]\n\n")
+
+
+async def test_limits_max_in_flight_and_replica_max_concurrency() -> None:
+    hung = Seen()
+    async with AsyncExitStack() as stack:
+        slow = await stack.enter_async_context(serve_app(hanging_app(hung)))
+        good = await stack.enter_async_context(serve_app(make_stub_app("good")))
+        settings = make_settings(
+            [{"url": slow, "name": "slow", "max_concurrency": 1}, {"url": good, "name": "good", "max_concurrency": 1}],
+            policy={"name": "round_robin"},
+        )
+        running = await stack.enter_async_context(run_balancer(settings))
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "stub-model", "prompt": "x"}
+            # Round robin sends the first request to the hanging replica, which is then full.
+            first = asyncio.create_task(http.post(running.url + "/v1/completions", json=body))
+            while hung.requests == 0:
+                await asyncio.sleep(0.01)
+            for _ in range(3):  # every other request now goes to the replica with room
+                async with http.post(running.url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200 and resp.headers["x-kvlb-replica"] == "good"
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+
+    async with AsyncExitStack() as stack:
+        slow = await stack.enter_async_context(serve_app(hanging_app(Seen())))
+        running = await stack.enter_async_context(run_balancer(make_settings([slow], limits={"max_in_flight": 1})))
+        async with aiohttp.ClientSession() as http:
+            first = asyncio.create_task(http.post(running.url + "/v1/completions", json={"model": "m", "prompt": "x"}))
+            while running.balancer.in_flight == 0:
+                await asyncio.sleep(0.01)
+            async with http.post(running.url + "/v1/completions", json={"model": "m", "prompt": "x"}) as resp:
+                assert resp.status == 503
+                assert resp.headers["Retry-After"] == "1"
+                assert_openai_error(await resp.read(), "overloaded")
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
