@@ -25,6 +25,7 @@ from policies.base import Policy
 from policies.registry import make_policy
 
 log = logging.getLogger("kvlb.server")
+access_log = logging.getLogger("kvlb.access")
 
 FORWARDED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/generate")
 OTHER_ROUTE = "other"
@@ -64,6 +65,7 @@ class Balancer:
         }
         self._post_routes = frozenset(FORWARDED_ROUTES)
         self._id_prefix = os.urandom(6).hex()
+        self.access_log = settings.logging.access_log
         self._request_seq = 0
 
     def _new_request_id(self) -> str:
@@ -148,7 +150,14 @@ class Balancer:
                 self._refuse(request, ClientError(500, message, "internal_error"), request_id, outcome)
         finally:
             self.in_flight -= 1
-            self.metrics.observe_request(route, outcome.replica, outcome.status, loop.time() - started)
+            elapsed = loop.time() - started
+            self.metrics.observe_request(route, outcome.replica, outcome.status, elapsed)
+            if self.access_log:
+                access_log.info(
+                    "%s %s %s %d replica=%s attempts=%d %.1fms id=%s",
+                    request.remote, request.method, route, outcome.status, outcome.replica,
+                    len(outcome.attempts), elapsed * 1000, request_id,
+                )
 
     def _refuse(self, request: Request, exc: ClientError, request_id: str, outcome: Outcome) -> None:
         outcome.status = exc.status

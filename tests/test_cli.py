@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -78,3 +79,28 @@ def test_demo_runs_and_cleans_up() -> None:
         assert f"replica-{i}" in run.stdout
     assert "chat, streamed" in run.stdout and "completion, streamed" in run.stdout
     assert "stopped every process" in run.stdout
+
+
+async def test_access_log_lines_name_route_status_and_replica(tmp_path: Path) -> None:
+    async with serve_app(make_stub_app("only")) as replica:
+        port = free_port()
+        config = tmp_path / "kvlb.yaml"
+        config.write_text(f"listen: {{port: {port}}}\nreplicas:\n  - url: {replica}\n    name: only\n"
+                          "logging: {access_log: true, format: json}\n")
+        log_file = tmp_path / "kvlb.log"
+        with open(log_file, "w") as sink:
+            proc = subprocess.Popen(KVLB + ["serve", "--config", str(config)], stderr=sink, stdout=sink)
+            try:
+                url = f"http://127.0.0.1:{port}"
+                await wait_for_http(url + "/ready")
+                async with aiohttp.ClientSession() as http:
+                    async with http.post(url + "/v1/completions", json={"model": "stub-model", "prompt": "x"},
+                                         headers={"x-request-id": "trace-me"}) as resp:
+                        assert resp.status == 200
+            finally:
+                stop_process(proc)
+        lines = [json.loads(line) for line in log_file.read_text().splitlines() if line.startswith("{")]
+        access = [entry for entry in lines if entry["logger"] == "kvlb.access"]
+        assert len(access) == 1
+        assert "POST /v1/completions 200 replica=only" in access[0]["message"]
+        assert "id=trace-me" in access[0]["message"]
