@@ -113,9 +113,11 @@ async def bench(args: argparse.Namespace) -> None:
         print(f"kvlb proxy overhead, {args.requests} small non-streaming chat requests per run, "
               f"policy {args.policy}, {os.cpu_count()} CPUs")
         print(f"{'conc':>5} {'direct rps':>11} {'kvlb rps':>9} {'direct p50':>11} {'kvlb p50':>9} "
-              f"{'added p50':>10} {'direct p99':>11} {'kvlb p99':>9} {'kvlb CPU/req':>13}")
+              f"{'added p50':>10} {'direct p99':>11} {'kvlb p99':>9} {'kvlb CPU/req':>13} {'upstream CPU/req':>17}")
         for concurrency in args.concurrency:
+            up_before = read_cpu_seconds(upstream.pid)
             d_wall, d_lat = await measure(direct, concurrency, args.requests)
+            up_per_req = (read_cpu_seconds(upstream.pid) - up_before) / (args.requests + concurrency * 2)
             cpu_before = read_cpu_seconds(kvlb.pid)
             v_wall, v_lat = await measure(via, concurrency, args.requests)
             cpu_per_req = (read_cpu_seconds(kvlb.pid) - cpu_before) / (args.requests + concurrency * 2)
@@ -123,8 +125,10 @@ async def bench(args: argparse.Namespace) -> None:
                   f"{pct(d_lat, .5) * 1e3:>9.3f}ms {pct(v_lat, .5) * 1e3:>7.3f}ms "
                   f"{(pct(v_lat, .5) - pct(d_lat, .5)) * 1e3:>8.3f}ms "
                   f"{pct(d_lat, .99) * 1e3:>9.3f}ms {pct(v_lat, .99) * 1e3:>7.3f}ms "
-                  f"{cpu_per_req * 1e6:>10.0f} µs")
+                  f"{cpu_per_req * 1e6:>10.0f} µs {up_per_req * 1e6:>14.0f} µs")
         print("floors: added p50 at concurrency 1 <= 0.500 ms; kvlb CPU <= 250 µs per request")
+        print("upstream CPU/req: the instant upstream's own CPU per direct request (one read, one write):")
+        print("what the simplest asyncio server costs on this machine; kvlb is a server and a client.")
     finally:
         stop_process(kvlb)
         stop_process(upstream)
