@@ -17,6 +17,7 @@ class Replica:
     __slots__ = (
         "name", "url", "weight", "labels", "max_concurrency", "kv_capacity_tokens",
         "declared_model", "in_flight", "healthy", "discovered_models", "model_cards",
+        "prefill_tokens_queued", "decoding",
     )
 
     def __init__(self, settings: ReplicaSettings) -> None:
@@ -28,6 +29,8 @@ class Replica:
         self.kv_capacity_tokens: int | None = settings.kv_capacity_tokens
         self.declared_model: str | None = settings.model
         self.in_flight = 0
+        self.prefill_tokens_queued = 0
+        self.decoding = 0
         # Optimistic until the first health check says otherwise, so a fresh balancer serves at once.
         self.healthy = True
         # None until the replica has answered /v1/models once.

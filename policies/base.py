@@ -32,6 +32,17 @@ class ReplicaView(Protocol):
         """Requests routed here and not yet finished, as counted by this balancer."""
         ...
 
+    @property
+    def prefill_tokens_queued(self) -> int:
+        """Uncached prompt tokens routed here whose first token has not come back yet:
+        prefill work the replica still has ahead of it."""
+        ...
+
+    @property
+    def decoding(self) -> int:
+        """Requests routed here that are past their first token and still generating."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class RequestFeatures:
@@ -44,6 +55,13 @@ class RequestFeatures:
     session_key: str | None = None
     # Canonical prompt text; filled only for policies whose `needs_prompt` is true.
     prompt: str | None = None
+    # Estimated prompt length in tokens, and per replica name the leading tokens of this
+    # prompt the prefix index believes that replica holds in its KV cache (absent: none).
+    # Filled only for policies whose `needs_prompt` is true.
+    prompt_tokens: int = 0
+    cached_tokens: Mapping[str, int] = field(default_factory=dict)
+    # Region the request comes from (header or the balancer's own region), for locality.
+    origin_region: str | None = None
 
 
 # Not frozen: one is built per replica per request, and frozen dataclasses cost 3x to create.

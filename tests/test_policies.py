@@ -28,6 +28,8 @@ class FakeReplica:
     weight: float = 1.0
     labels: Mapping[str, str] = field(default_factory=dict)
     in_flight: int = 0
+    prefill_tokens_queued: int = 0
+    decoding: int = 0
 
 
 def make_fleet(n: int, loads: list[int] | None = None, weights: list[float] | None = None):
