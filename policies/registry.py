@@ -15,6 +15,7 @@ _POLICY_CLASSES = (
     "policies.least_load:LeastLoadPolicy",
     "policies.power_of_two:PowerOfTwoPolicy",
     "policies.consistent_hash:ConsistentHashPolicy",
+    "policies.cache_aware:CacheAwarePolicy",
 )
 
 

@@ -1,0 +1,248 @@
+"""Cache aware: the replica that will return the first token soonest, judged in tokens.
+
+Every eligible replica gets a cost in *prefill-token equivalents* (one unit = the time one
+GPU replica of weight 1.0 takes to prefill one uncached prompt token, about 23 µs for
+llama-3.1-8b on an H100 at 43 tokens/ms, see ``calibration.md``)::
+
+    cost = uncached + queued + decode + locality
+
+    uncached = (prompt_tokens - cached_tokens[r]) * prefill_weight / r.weight
+    queued   = r.prefill_tokens_queued            * queue_weight   / r.weight
+    decode   = r.decoding                         * decode_tokens_per_seq / r.weight
+    locality = 0 when the request's origin region or the replica's `region` label is unknown,
+               same_region_penalty_tokens when they are equal, other_region_penalty_tokens
+               when they differ
+
+Lowest cost first, so a long cached prefix wins until the replica holding it has so much
+prefill queued that a cold replica would answer first. Dividing the work terms by the
+replica's weight reads `weight` as relative speed: a replica of weight 2.0 gets through the
+same tokens in half the time, so at equal cost it takes twice the work.
+
+Why the queue term is also the hot-spot guard: the balancer adds a request's uncached tokens
+to `prefill_tokens_queued` the moment it routes it, not when the replica reports back. When
+every request shares one system prompt and only one replica holds it yet, that replica wins
+only until its queue is as long as the prefix is worth; the next request goes elsewhere,
+warms that replica, and a busy fleet spreads (see tests/test_cache_aware.py). At light load
+the prefix stays on the few warm replicas that can carry the traffic, each with a backlog
+never longer than the prefix is worth: no request waits longer than it would cold, but the
+other replicas stay idle (and cold) until the load rises. That is the myopic optimum for each
+request's first token; it is not a deliberate warm-up of the whole fleet.
+
+Tiers: replicas labelled ``tier: overflow`` (paid-per-use capacity) are ranked after every
+committed replica (any other tier, or none) unless the committed replica with the shortest
+estimated wait would still make this request wait more than `overflow_after_ms`; then every
+replica competes on cost alone. The estimated wait of a replica in ms is
+``(prefill_tokens_queued + this request's uncached tokens there) / (prefill_tokens_per_ms *
+weight)``. Demoted overflow replicas stay in the list, in cost order, for failover.
+
+Near-ties spread: each cost is compared with a uniform random jitter of up to
+``tie_tolerance_tokens + tie_tolerance_ratio * cost`` added, so replicas closer than that swap
+places at random (an idle fleet spreads its misses over every replica, and several balancer
+instances with slightly stale counts do not herd), while a clearly better replica always wins.
+
+Each Choice's terms, all floats: ``cached`` (predicted cached leading tokens there, a raw
+count, for explanation), ``uncached``, ``queued``, ``decode``, ``locality`` (the four cost
+contributions above, in prefill-token equivalents; with the default weights on a weight-1.0
+replica the first three equal the raw token and sequence-token counts), ``cost`` (their sum),
+``wait_ms`` (the estimated wait used for the overflow decision) and ``tier`` (0.0 = ranked by
+cost with everyone, 1.0 = overflow replica held back behind the committed ones).
+
+Zones: the request carries only its origin region, so zone labels are not used.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from policies.base import Choice, Policy, ReplicaView, RequestFeatures
+
+OVERFLOW_TIER = "overflow"
+
+
+def _number(name: str, value: Any, unit: str, *, positive: bool = False) -> float:
+    """`value` as a float, finite and >= 0 (> 0 when `positive`), else a ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number ({unit}), got {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or number < 0 or (positive and number == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{name} must be a finite number {bound} ({unit}), got {value!r}")
+    return number
+
+
+class CacheAwarePolicy(Policy):
+    """Lowest estimated time to first token first, counted in prefill-token equivalents.
+
+    Parameters (defaults from the llama-3.1-8b / H100 / TP1 row of calibration.md):
+
+    prefill_weight (cost tokens per uncached prompt token, > 0; default 1.0)
+        The unit of the cost: one token this request must prefill on that replica.
+    queue_weight (cost tokens per queued prefill token, >= 0; default 1.0)
+        Prefill already routed there runs before this request's (FIFO admission), so one
+        queued token delays the first token as much as one of its own. 0 disables the load
+        term and with it the hot-spot guard.
+    decode_tokens_per_seq (tokens per decoding sequence, >= 0; default 32.0)
+        Each decoding sequence adds d1 + d2·ctx to every engine iteration: at a 4k context
+        (0.0090 + 4.39e-5·4096) ms ≈ 0.19 ms ≈ 10 prefill tokens (at b = 0.0191 ms/token).
+        A request spends about three iterations between arrival and first token (the one in
+        progress, a chunk of queued prefill, its own chunk), so ≈ 30, rounded to 32.
+    same_region_penalty_tokens (tokens, >= 0; default 0.0)
+        Added when the replica's `region` label equals the request's origin region.
+    other_region_penalty_tokens (tokens, >= same_region_penalty_tokens; default 4096.0)
+        Added when they differ: roughly the prefill tokens a cross-region round trip is
+        worth (a 60–100 ms RTT at 43 tokens/ms ≈ 2.6k–4.3k tokens).
+    overflow_after_ms (ms, >= 0; default 1000.0)
+        Overflow replicas compete on cost only once the best committed replica's estimated
+        wait exceeds this: an interactive time-to-first-token target.
+    prefill_tokens_per_ms (tokens per ms per unit of weight, > 0; default 43.0)
+        Prefill speed for the wait estimate: 4,096 tokens in ≈ 95 ms on llama-3.1-8b / H100.
+    tie_tolerance_tokens (tokens, >= 0; default 128.0)
+        Absolute width of the random tie-break: about 3 ms of prefill, well inside the
+        model's ±15–25 % error.
+    tie_tolerance_ratio (fraction of the cost, 0..1; default 0.05)
+        Relative width of the random tie-break, added to the absolute one.
+    """
+
+    name = "cache_aware"
+    needs_prompt = True
+
+    def __init__(
+        self,
+        *,
+        prefill_weight: float = 1.0,
+        queue_weight: float = 1.0,
+        decode_tokens_per_seq: float = 32.0,
+        same_region_penalty_tokens: float = 0.0,
+        other_region_penalty_tokens: float = 4096.0,
+        overflow_after_ms: float = 1000.0,
+        prefill_tokens_per_ms: float = 43.0,
+        tie_tolerance_tokens: float = 128.0,
+        tie_tolerance_ratio: float = 0.05,
+        seed: int | None = None,
+        **params: Any,
+    ) -> None:
+        super().__init__(seed=seed, **params)
+        self.prefill_weight = _number(
+            "prefill_weight",
+            prefill_weight,
+            "cost tokens per uncached prompt token",
+            positive=True,
+        )
+        self.queue_weight = _number(
+            "queue_weight", queue_weight, "cost tokens per queued prefill token"
+        )
+        self.decode_tokens_per_seq = _number(
+            "decode_tokens_per_seq", decode_tokens_per_seq, "tokens per decoding sequence"
+        )
+        self.same_region_penalty_tokens = _number(
+            "same_region_penalty_tokens", same_region_penalty_tokens, "tokens"
+        )
+        self.other_region_penalty_tokens = _number(
+            "other_region_penalty_tokens", other_region_penalty_tokens, "tokens"
+        )
+        if self.other_region_penalty_tokens < self.same_region_penalty_tokens:
+            raise ValueError(
+                "other_region_penalty_tokens (tokens) must be >= same_region_penalty_tokens, "
+                f"got {self.other_region_penalty_tokens!r} < {self.same_region_penalty_tokens!r}"
+            )
+        self.overflow_after_ms = _number("overflow_after_ms", overflow_after_ms, "ms")
+        self.prefill_tokens_per_ms = _number(
+            "prefill_tokens_per_ms", prefill_tokens_per_ms, "tokens per ms", positive=True
+        )
+        self.tie_tolerance_tokens = _number("tie_tolerance_tokens", tie_tolerance_tokens, "tokens")
+        self.tie_tolerance_ratio = _number(
+            "tie_tolerance_ratio", tie_tolerance_ratio, "fraction of the cost"
+        )
+        if self.tie_tolerance_ratio > 1.0:
+            raise ValueError(
+                "tie_tolerance_ratio must be between 0 and 1 (fraction of the cost), "
+                f"got {self.tie_tolerance_ratio!r}"
+            )
+
+    def rank(self, request: RequestFeatures, replicas: Sequence[ReplicaView]) -> list[Choice]:
+        prompt = request.prompt_tokens
+        if prompt < 0:
+            prompt = 0
+        cached_of = request.cached_tokens.get
+        origin = request.origin_region
+        prefill_w = self.prefill_weight
+        queue_w = self.queue_weight
+        decode_w = self.decode_tokens_per_seq
+        same_pen = self.same_region_penalty_tokens
+        other_pen = self.other_region_penalty_tokens
+        inv_rate = 1.0 / self.prefill_tokens_per_ms
+        tol_abs = self.tie_tolerance_tokens
+        tol_rel = self.tie_tolerance_ratio
+        rand = self.rng.random
+
+        # One pass: cost, wait and jittered sort key of each replica. Overflow replicas are
+        # only noted here; whether to hold them back is known once the best committed wait is.
+        choices: list[Choice] = []
+        keys: list[float] = []
+        overflow: list[int] = []
+        add_choice = choices.append
+        add_key = keys.append
+        best_committed_wait = math.inf
+        i = 0
+        for r in replicas:
+            cached = cached_of(r.name, 0)
+            if cached > prompt:
+                cached = prompt
+            elif cached < 0:
+                cached = 0
+            uncached_tokens = prompt - cached
+            queued_tokens = r.prefill_tokens_queued
+            inv_w = 1.0 / r.weight
+            uncached = uncached_tokens * prefill_w * inv_w
+            queued = queued_tokens * queue_w * inv_w
+            decode = r.decoding * decode_w * inv_w
+            labels = r.labels
+            if origin is None:
+                locality = 0.0
+            else:
+                region = labels.get("region")
+                if region is None:
+                    locality = 0.0
+                elif region == origin:
+                    locality = same_pen
+                else:
+                    locality = other_pen
+            cost = uncached + queued + decode + locality
+            wait_ms = (queued_tokens + uncached_tokens) * inv_w * inv_rate
+            add_choice(
+                Choice(
+                    r,
+                    {
+                        "cached": cached + 0.0,  # a float, cheaper than float()
+                        "uncached": uncached,
+                        "queued": queued,
+                        "decode": decode,
+                        "locality": locality,
+                        "cost": cost,
+                        "wait_ms": wait_ms,
+                        "tier": 0.0,
+                    },
+                )
+            )
+            add_key(cost + rand() * (tol_abs + tol_rel * cost))
+            if labels.get("tier") == OVERFLOW_TIER:
+                overflow.append(i)
+            elif wait_ms < best_committed_wait:
+                best_committed_wait = wait_ms
+            i += 1
+
+        order = sorted(range(i), key=keys.__getitem__)
+        if not overflow or best_committed_wait > self.overflow_after_ms:
+            # No overflow tier, or committed capacity is exhausted (or absent, in which case
+            # the best committed wait is infinite): everyone competes on cost.
+            return [choices[j] for j in order]
+        held_back = set(overflow)
+        ranked = [choices[j] for j in order if j not in held_back]
+        for j in order:
+            if j in held_back:
+                choice = choices[j]
+                choice.terms["tier"] = 1.0  # type: ignore[index]
+                ranked.append(choice)
+        return ranked
