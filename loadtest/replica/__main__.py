@@ -1,0 +1,5 @@
+import sys
+
+from loadtest.replica.cli import run
+
+sys.exit(run())

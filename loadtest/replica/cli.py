@@ -1,0 +1,127 @@
+"""`kvlb replica`: run one simulated GPU replica (also `python -m loadtest.replica`).
+
+`register` is the `kvlb.commands` entry point that `balancer/cli.py` discovers, so the proxy
+package never imports the test bed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from typing import Any
+
+from loadtest.replica.config import ReplicaConfig
+from loadtest.replica.faults import Faults
+from loadtest.replica.profiles import DEFAULT_PROFILE, PROFILES
+
+HELP = "run a simulated GPU replica (vLLM/SGLang-compatible HTTP API)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port", type=int, required=True, help="0 picks a free port")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
+    parser.add_argument("--model", default=None, help="served model name")
+    parser.add_argument(
+        "--kv-capacity-tokens", type=int, default=None,
+        help="KV cache size in tokens (default: the profile's calibrated capacity)",
+    )  # fmt: skip
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-running", type=int, default=256)
+    parser.add_argument("--max-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-waiting", type=int, default=4096, help="queue bound; 503 beyond")
+    parser.add_argument("--context-limit", type=int, default=131072)
+    parser.add_argument("--default-max-tokens", type=int, default=16)
+    parser.add_argument(
+        "--time-scale", type=float, default=1.0,
+        help="run this many times faster than the model; /get_server_info reports it",
+    )  # fmt: skip
+    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    faults = parser.add_argument_group("fault injection (also POST /admin/fault)")
+    faults.add_argument("--fault-error-rate", type=float, default=0.0, help="fraction answered 503")
+    faults.add_argument(
+        "--fault-hang-s", type=float, default=None, help="hang before the first byte"
+    )
+    faults.add_argument("--fault-cut-after-tokens", type=int, default=None)
+    faults.add_argument("--fault-unhealthy", action="store_true", help="/health answers 503")
+    faults.add_argument(
+        "--fault-exit-after-s", type=float, default=None, help="exit(1) after S seconds"
+    )
+    parser.add_argument("--log-level", default="WARNING")
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("replica", help=HELP, description=HELP)
+    add_arguments(parser)
+    parser.set_defaults(func=main)
+
+
+def config_from_args(args: argparse.Namespace) -> ReplicaConfig:
+    faults = Faults.from_json(
+        {
+            "error_rate": args.fault_error_rate,
+            "hang_s": args.fault_hang_s,
+            "cut_after_tokens": args.fault_cut_after_tokens,
+            "unhealthy": args.fault_unhealthy,
+            "exit_after_s": args.fault_exit_after_s,
+        }
+    )
+    return ReplicaConfig(
+        profile=args.profile,
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        block_size=args.block_size,
+        max_running=args.max_running,
+        max_batched_tokens=args.max_batched_tokens,
+        max_waiting=args.max_waiting,
+        context_limit=args.context_limit,
+        default_max_tokens=args.default_max_tokens,
+        time_scale=args.time_scale,
+        max_body_bytes=args.max_body_bytes,
+        faults=faults,
+    )
+
+
+async def serve(config: ReplicaConfig) -> None:
+    from loadtest.replica.server import ReplicaServer
+
+    server = ReplicaServer(config)
+    port = await server.start()
+    # Tests and scripts starting `--port 0` read the real port from this line.
+    print(f"kvlb replica listening on http://{config.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    try:
+        config = config_from_args(args)
+    except ValueError as error:
+        print(f"kvlb replica: {error}", file=sys.stderr)
+        return 2
+    import uvloop
+
+    try:
+        uvloop.run(serve(config))
+    except OSError as error:  # e.g. the port is taken
+        print(f"kvlb replica: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.replica", description=HELP)
+    add_arguments(parser)
+    return main(parser.parse_args(argv))

@@ -1,0 +1,52 @@
+"""Settings of one simulated replica, shared by the command line and in-process tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loadtest.replica.engine import EngineConfig
+from loadtest.replica.faults import Faults
+from loadtest.replica.profiles import DEFAULT_PROFILE, get_profile
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaConfig:
+    profile: str = DEFAULT_PROFILE
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port; the server reports the one it got
+    model: str | None = None  # None: "kvlb-sim-" + the profile's model
+    kv_capacity_tokens: int | None = None  # None: the profile's calibrated capacity
+    block_size: int = 16
+    max_running: int = 256
+    max_batched_tokens: int = 8192
+    max_waiting: int = 4096
+    context_limit: int = 131072
+    default_max_tokens: int = 16
+    time_scale: float = 1.0
+    # A 131k-word prompt is about 1 MB of JSON; leave room, refuse the absurd.
+    max_body_bytes: int = 8 * 1024 * 1024
+    faults: Faults = field(default_factory=Faults)
+
+    def __post_init__(self) -> None:
+        get_profile(self.profile)  # fail early on a typo
+        if self.time_scale <= 0:
+            raise ValueError("time_scale must be positive")
+        if self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be at least 1")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be at least 1024")
+
+    @property
+    def model_name(self) -> str:
+        return self.model or f"kvlb-sim-{get_profile(self.profile).model}"
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            profile=get_profile(self.profile),
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            block_size=self.block_size,
+            max_running=self.max_running,
+            max_batched_tokens=self.max_batched_tokens,
+            max_waiting=self.max_waiting,
+            context_limit=self.context_limit,
+        )

@@ -1,0 +1,452 @@
+"""A continuous-batching engine in model time: vLLM's scheduler, reduced to its timing.
+
+The engine is a discrete-event object. It never sleeps and never reads a clock: the caller
+passes `now` in, and `step(now)` plans one iteration, applies its effects, and returns it with
+its duration. Tokens of that iteration count as produced at `iteration.end`, and the caller
+must not step again before then. The HTTP server drives it in real time (scaled); the
+offline fleet simulator drives many engines in virtual time with the same calls.
+
+Per iteration, like vLLM V1 with chunked prefill:
+1. running sequences in admission order: one decode token each, or the next chunk of a
+   prompt still being prefilled, within `max_batched_tokens` prefill tokens; a decode that
+   needs a new KV block when none is free preempts the most recently admitted sequence,
+   whose blocks return to the cache and which is recomputed later (its cached blocks
+   usually make that cheap);
+2. then, if nothing was preempted, waiting sequences first come first served, while the
+   prompt's uncached blocks fit in free KV space (evicting unreferenced cache), fewer than
+   `max_running` sequences run, and prefill budget is left. A head that does not fit blocks
+   the queue: it waits rather than fails.
+Its duration comes from the profile's calibrated formula.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from loadtest.replica.cache import PrefixCache
+from loadtest.replica.profiles import Profile
+from loadtest.replica.tokens import ROOT_HASH, block_hashes, output_word
+
+
+class ContextLengthError(ValueError):
+    """Prompt plus output cannot fit in the context limit or in the whole KV cache."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; the server answers 503."""
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    profile: Profile
+    kv_capacity_tokens: int | None = None  # None: the profile's calibrated capacity
+    block_size: int = 16
+    max_running: int = 256
+    max_batched_tokens: int = 8192
+    max_waiting: int = 4096
+    context_limit: int = 131072
+
+    def __post_init__(self) -> None:
+        for name in (
+            "block_size",
+            "max_running",
+            "max_batched_tokens",
+            "max_waiting",
+            "context_limit",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < self.block_size:
+            raise ValueError("kv_capacity_tokens must hold at least one block")
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.kv_capacity_tokens or self.profile.kv_capacity_tokens
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request inside the engine. Fields are read by drivers, written by the engine."""
+
+    seq_id: int
+    request_id: str
+    tokens: list[str]  # the prompt, then each generated word as it is produced
+    prompt_tokens: int
+    max_tokens: int
+    arrival_time: float
+    hashes: list[int]  # chained hashes of the full blocks of `tokens`
+    owner: Any = None  # the driver's handle (a stream, a future); never read here
+    status: Status = Status.WAITING
+    num_generated: int = 0
+    cached_tokens: int = 0  # prompt tokens found in cache at first admission
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    preemptions: int = 0
+    # KV bookkeeping
+    num_computed: int = 0  # tokens whose KV is in the cache
+    num_blocks: int = 0  # blocks held: the first `num_shared` by hash, the rest private
+    num_shared: int = 0
+    prefill_end: int = 0  # num_computed at which the current prefill is done
+    admitted: bool = False
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.prefill_end
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass(slots=True)
+class Iteration:
+    """One engine iteration, planned at `start`; its tokens exist at `end`."""
+
+    start: float
+    duration: float
+    prefill_tokens: int
+    decode_seqs: int
+    decode_context: int
+    # Sequences that produced exactly one token in this iteration; `seq.num_generated` is
+    # the count including it. Finished ones are also listed in `finished`.
+    emitted: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def end(self) -> float:
+        return self.start + self.duration
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Cumulative counts, as the metrics endpoints report them."""
+
+    prefix_queries_tokens: int = 0
+    prefix_hits_tokens: int = 0
+    iterations: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    preemptions: int = 0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.profile = config.profile
+        self.cache = PrefixCache(config.capacity_tokens, config.block_size)
+        self.block_size = config.block_size
+        self.counters = EngineCounters()
+        self._waiting: OrderedDict[int, Sequence] = OrderedDict()
+        self._running: dict[int, Sequence] = {}  # admission order
+        self._waiting_tokens = 0
+        self._busy_until = 0.0
+        self._ids = itertools.count()
+
+    # -- state a driver or a metrics page reads ------------------------------------------
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """Longest prompt plus output accepted: the context limit, or all of the KV cache."""
+        return min(self.config.context_limit, self.cache.capacity_tokens)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def waiting_tokens(self) -> int:
+        return self._waiting_tokens
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    @property
+    def busy_until(self) -> float:
+        return self._busy_until
+
+    def next_step_time(self) -> float | None:
+        """When `step` should next be called; None while there is nothing to do."""
+        return self._busy_until if (self._running or self._waiting) else None
+
+    def running(self) -> list[Sequence]:
+        return list(self._running.values())
+
+    def waiting(self) -> list[Sequence]:
+        return list(self._waiting.values())
+
+    # -- requests in and out -------------------------------------------------------------
+
+    def submit(
+        self,
+        tokens: list[str],
+        max_tokens: int,
+        now: float,
+        *,
+        request_id: str = "",
+        owner: Any = None,
+        hashes: list[int] | None = None,
+    ) -> Sequence:
+        """Queue a request. The engine keeps `tokens` and appends generated words to it."""
+        if not tokens:
+            raise ValueError("a prompt needs at least one token")
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        total = len(tokens) + max_tokens
+        if total > self.max_sequence_tokens:
+            raise ContextLengthError(
+                f"{len(tokens)} prompt tokens plus {max_tokens} output tokens exceed the "
+                f"limit of {self.max_sequence_tokens} tokens"
+            )
+        if len(self._waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        if hashes is None:
+            hashes = block_hashes(tokens, self.block_size)
+        seq = Sequence(
+            seq_id=next(self._ids),
+            request_id=request_id,
+            tokens=tokens,
+            prompt_tokens=len(tokens),
+            max_tokens=max_tokens,
+            arrival_time=now,
+            hashes=hashes,
+            owner=owner,
+        )
+        self._waiting[seq.seq_id] = seq
+        self._waiting_tokens += len(tokens)
+        if not self._running and len(self._waiting) == 1:
+            # An idle engine starts the next iteration on arrival, not at the end of the
+            # last one, which may lie far in the past.
+            self._busy_until = max(self._busy_until, now)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """The client left: free the sequence's blocks. Safe to call in any state."""
+        if seq.status is Status.WAITING:
+            if self._waiting.pop(seq.seq_id, None) is not None:
+                self._waiting_tokens -= len(seq.tokens)
+        elif seq.status is Status.RUNNING:
+            self._release(seq)
+            del self._running[seq.seq_id]
+        else:
+            return
+        seq.status = Status.ABORTED
+        self.counters.requests_aborted += 1
+
+    # -- one iteration -------------------------------------------------------------------
+
+    def step(self, now: float) -> Iteration | None:
+        """Plan and apply one iteration starting at `now`; None when there is nothing to run."""
+        if now < self._busy_until - 1e-9:
+            raise ValueError(f"step at {now} before the last iteration ends at {self._busy_until}")
+        block_size = self.block_size
+        cache = self.cache
+        budget = self.config.max_batched_tokens
+        prefill_tokens = 0
+        prefill_attention = 0.0
+        decode_context = 0
+        prefills: list[tuple[Sequence, int]] = []
+        decodes: list[Sequence] = []
+        preempted: list[Sequence] = []
+
+        order = list(self._running.values())
+        i = 0
+        while i < len(order):
+            seq = order[i]
+            i += 1
+            if seq.num_computed < seq.prefill_end:
+                if budget:
+                    chunk = min(seq.prefill_end - seq.num_computed, budget)
+                    budget -= chunk
+                    prefill_tokens += chunk
+                    prefill_attention += chunk * (seq.num_computed + chunk / 2)
+                    prefills.append((seq, chunk))
+                continue
+            if seq.num_computed + 1 > seq.num_blocks * block_size:
+                while not cache.allocate(1):
+                    victim = order.pop()
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq.status is not Status.RUNNING:
+                    continue
+                seq.num_blocks += 1
+            decode_context += seq.num_computed + 1
+            decodes.append(seq)
+
+        if not preempted or not (prefills or decodes):
+            budget, prefill_tokens, prefill_attention = self._admit(
+                budget, prefill_tokens, prefill_attention, prefills
+            )
+
+        if not prefills and not decodes:
+            return None
+        duration = self.profile.iteration_seconds(
+            prefill_tokens, prefill_attention, len(decodes), decode_context
+        )
+        iteration = Iteration(
+            start=now,
+            duration=duration,
+            prefill_tokens=prefill_tokens,
+            decode_seqs=len(decodes),
+            decode_context=decode_context,
+            preempted=preempted,
+        )
+        end = iteration.end
+        for seq, chunk in prefills:
+            seq.num_computed += chunk
+            self._commit_full_blocks(seq)
+            if seq.num_computed == seq.prefill_end:
+                self._emit(seq, end, iteration)
+        for seq in decodes:
+            seq.num_computed += 1
+            # A decode step completes a block only when it fills the block's last slot.
+            if seq.num_computed % block_size == 0:
+                self._commit_full_blocks(seq)
+            self._emit(seq, end, iteration)
+        self.counters.iterations += 1
+        self.counters.prompt_tokens += prefill_tokens
+        self.counters.generation_tokens += len(iteration.emitted)
+        self._busy_until = end
+        return iteration
+
+    def _admit(
+        self,
+        budget: int,
+        prefill_tokens: int,
+        prefill_attention: float,
+        prefills: list[tuple[Sequence, int]],
+    ) -> tuple[int, int, float]:
+        block_size = self.block_size
+        cache = self.cache
+        waiting = self._waiting
+        while waiting and budget and len(self._running) < self.config.max_running:
+            seq = next(iter(waiting.values()))
+            length = len(seq.tokens)
+            total_blocks = -(-length // block_size)
+            # At least the last prompt token is always computed, to produce the first output.
+            hit_limit = (length - 1) // block_size
+            hashes = seq.hashes
+            matched, unreferenced = cache.match(
+                hashes if len(hashes) <= hit_limit else hashes[:hit_limit]
+            )
+            new_blocks = total_blocks - matched
+            if not cache.can_allocate(new_blocks, unreferenced):
+                break  # first come, first served: the head waits for space
+            cache.acquire(hashes[:matched])
+            cache.allocate(new_blocks)
+            del waiting[seq.seq_id]
+            self._waiting_tokens -= length
+            seq.status = Status.RUNNING
+            seq.num_shared = matched
+            seq.num_blocks = total_blocks
+            seq.num_computed = matched * block_size
+            seq.prefill_end = length
+            if not seq.admitted:
+                seq.admitted = True
+                seq.cached_tokens = seq.num_computed
+                self.counters.prefix_queries_tokens += length
+                self.counters.prefix_hits_tokens += seq.num_computed
+            self._running[seq.seq_id] = seq
+            chunk = min(length - seq.num_computed, budget)
+            budget -= chunk
+            prefill_tokens += chunk
+            prefill_attention += chunk * (seq.num_computed + chunk / 2)
+            prefills.append((seq, chunk))
+        return budget, prefill_tokens, prefill_attention
+
+    def _emit(self, seq: Sequence, end: float, iteration: Iteration) -> None:
+        tokens = seq.tokens
+        tokens.append(output_word(seq.num_generated))
+        seq.num_generated += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = end
+        block_size = self.block_size
+        if len(tokens) % block_size == 0:
+            parent = seq.hashes[-1] if seq.hashes else ROOT_HASH
+            seq.hashes.extend(block_hashes(tokens, block_size, len(seq.hashes), parent))
+        iteration.emitted.append(seq)
+        if seq.num_generated >= seq.max_tokens:
+            self._release(seq)
+            del self._running[seq.seq_id]
+            seq.status = Status.FINISHED
+            seq.finish_time = end
+            self.counters.requests_finished += 1
+            iteration.finished.append(seq)
+
+    def _commit_full_blocks(self, seq: Sequence) -> None:
+        hashes = seq.hashes
+        start = seq.num_shared
+        end = min(len(hashes), seq.num_computed // self.block_size)
+        if end > start:
+            self.cache.commit(hashes[start:end], hashes[start - 1] if start else None)
+            seq.num_shared = end
+
+    def _release(self, seq: Sequence) -> None:
+        self.cache.release(seq.hashes[: seq.num_shared], seq.num_blocks - seq.num_shared)
+        seq.num_shared = seq.num_blocks = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later, as vLLM V1 does: its whole context becomes the next prefill."""
+        self._release(seq)
+        del self._running[seq.seq_id]
+        seq.num_computed = seq.prefill_end = 0
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.counters.preemptions += 1
+        self._waiting[seq.seq_id] = seq
+        self._waiting.move_to_end(seq.seq_id, last=False)
+        self._waiting_tokens += len(seq.tokens)
+
+    def clear_cache(self) -> None:
+        self.cache.clear()
+
+
+def run_until_idle(
+    engine: Engine, arrivals: SequenceOf[tuple[float, list[str], int]] = (), start: float = 0.0
+) -> tuple[list[Sequence], list[Iteration], float]:
+    """Drive `engine` in virtual time: submit `(time, tokens, max_tokens)` arrivals as their
+    times come and step until nothing is left. Returns the sequences, every iteration and the
+    final time. For tests and quick studies; a fleet simulator keeps its own event queue.
+    """
+    pending = sorted(arrivals, key=lambda arrival: arrival[0])
+    sequences: list[Sequence] = []
+    iterations: list[Iteration] = []
+    now = start
+    index = 0
+    while index < len(pending) or engine.has_work:
+        next_step = engine.next_step_time()
+        next_arrival = pending[index][0] if index < len(pending) else None
+        if next_arrival is not None and (next_step is None or next_arrival <= next_step):
+            now = max(now, next_arrival)
+            at, tokens, max_tokens = pending[index]
+            sequences.append(engine.submit(tokens, max_tokens, now, request_id=str(index)))
+            index += 1
+            continue
+        assert next_step is not None
+        now = max(now, next_step)
+        iteration = engine.step(now)
+        if iteration is None:
+            raise RuntimeError("engine has work but schedules nothing")
+        iterations.append(iteration)
+    return sequences, iterations, now

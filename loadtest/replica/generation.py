@@ -1,0 +1,198 @@
+"""The three generation routes: OpenAI chat and text completions (vLLM) and `/generate` (SGLang).
+
+Each request is parsed and checked, queued in the engine, then answered from its
+`TokenListener`: a stream writes one chunk per token as iterations end, a plain request waits
+for the last one. Whatever way the handler leaves (done, client gone, cancelled), the
+sequence leaves the engine and its KV blocks are released.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from loadtest.replica.config import ReplicaConfig
+from loadtest.replica.driver import RealtimeDriver, TokenListener
+from loadtest.replica.engine import ContextLengthError, QueueFullError, Sequence
+from loadtest.replica.faults import FaultState
+from loadtest.replica.parsing import (
+    ApiError,
+    GenerationRequest,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+    parse_json_object,
+)
+from loadtest.replica.responses import (
+    DONE,
+    OpenAIStream,
+    SGLangGenerate,
+    chat_completion,
+    text_completion,
+    usage,
+)
+from loadtest.replica.streaming import SseStream, drop_connection
+
+JSON_TYPE = "application/json"
+
+
+def error_response(error: ApiError) -> web.Response:
+    return web.Response(status=error.status, body=error.body(), content_type=JSON_TYPE)
+
+
+def service_unavailable(message: str) -> ApiError:
+    return ApiError(503, message, "service_unavailable", type_="service_unavailable_error")
+
+
+class GenerationRoutes:
+    def __init__(self, config: ReplicaConfig, driver: RealtimeDriver, faults: FaultState) -> None:
+        self.config = config
+        self.driver = driver
+        self.faults = faults
+        self._served_model = config.model_name
+        # Short ids, unique per process: the prefix tells two replicas' ids apart.
+        self._id_prefix = os.urandom(4).hex()
+        self._ids = itertools.count(1)
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/generate", self.generate)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, parse_chat)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, parse_completion)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, parse_generate)
+
+    async def _handle(
+        self, request: web.Request, parse: Callable[[dict[str, Any]], GenerationRequest]
+    ) -> web.StreamResponse:
+        try:
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                raise ApiError(
+                    413, f"request body exceeds {self.config.max_body_bytes} bytes",
+                    "request_too_large",
+                ) from None  # fmt: skip
+            if self.faults.should_reject():
+                raise service_unavailable("injected fault: server unavailable")
+            await self.faults.hang()
+            generation = parse(parse_json_object(body))
+            max_tokens = self._max_tokens(generation)
+            listener = TokenListener(
+                every_token=generation.stream or self.faults.faults.cut_after_tokens is not None
+            )
+            request_id = generation.request_id or f"{self._id_prefix}{next(self._ids):x}"
+            try:
+                seq = self.driver.submit(generation.tokens, max_tokens, listener, request_id)
+            except QueueFullError as error:
+                raise service_unavailable(str(error)) from None
+            except ContextLengthError as error:  # pragma: no cover - checked above
+                raise ApiError(400, str(error), "context_length_exceeded") from None
+        except ApiError as error:
+            return error_response(error)
+        try:
+            if generation.route == "generate":
+                return await self._sglang(request, generation, seq, listener)
+            return await self._openai(request, generation, seq, listener)
+        finally:
+            self.driver.abort(seq)  # a no-op once the sequence has finished
+
+    def _max_tokens(self, generation: GenerationRequest) -> int:
+        """vLLM's rule: an explicit max_tokens must fit; a default shrinks to what is left."""
+        limit = self.driver.engine.max_sequence_tokens
+        prompt = len(generation.tokens)
+        requested = generation.max_tokens
+        if requested is None:
+            if prompt < limit:
+                return min(self.config.default_max_tokens, limit - prompt)
+            requested = self.config.default_max_tokens
+        if prompt + requested > limit:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {prompt + requested} tokens ({prompt} in the messages, "
+                f"{requested} in the completion). Please reduce the length of the "
+                "messages or completion.",
+                "context_length_exceeded",
+                param="messages" if generation.route == "chat" else "prompt",
+            )
+        return requested
+
+    def _cut_after_tokens(self) -> int | None:
+        return self.faults.faults.cut_after_tokens
+
+    async def _wait_until_done(self, request: web.Request, listener: TokenListener) -> int:
+        while True:
+            cut = self._cut_after_tokens()
+            if cut is not None and listener.delivered >= cut:
+                drop_connection(request)
+            if listener.done:
+                return listener.delivered
+            await listener.wait()
+
+    async def _openai(
+        self,
+        request: web.Request,
+        generation: GenerationRequest,
+        seq: Sequence,
+        listener: TokenListener,
+    ) -> web.StreamResponse:
+        chat = generation.route == "chat"
+        request_id = ("chatcmpl-" if chat else "cmpl-") + seq.request_id
+        created = int(time.time())
+        model = generation.model or self._served_model
+        if not generation.stream:
+            count = await self._wait_until_done(request, listener)
+            body_usage = usage(seq.prompt_tokens, count, seq.cached_tokens)
+            build = chat_completion if chat else text_completion
+            body = build(request_id, created, model, count, body_usage)
+            return web.Response(body=body, content_type=JSON_TYPE)
+
+        stream = OpenAIStream(chat, request_id, created, model)
+        include_usage = generation.include_usage
+
+        def chunks(first: int, end: int, done: bool) -> list[bytes]:
+            parts = [stream.token_chunk(i, done and i == end - 1) for i in range(first, end)]
+            if done:
+                if include_usage:
+                    parts.append(stream.usage_chunk(seq.prompt_tokens, end, seq.cached_tokens))
+                parts.append(DONE)
+            return parts
+
+        return await SseStream(request, listener, chunks, stream.framed_chunk, self.faults).run()
+
+    async def _sglang(
+        self,
+        request: web.Request,
+        generation: GenerationRequest,
+        seq: Sequence,
+        listener: TokenListener,
+    ) -> web.StreamResponse:
+        started = time.monotonic()
+        answer = SGLangGenerate(seq.request_id, seq.prompt_tokens, seq.cached_tokens)
+        if not generation.stream:
+            count = await self._wait_until_done(request, listener)
+            body = answer.response(count, time.monotonic() - started)
+            return web.Response(body=body, content_type=JSON_TYPE)
+
+        def chunks(first: int, end: int, done: bool) -> list[bytes]:
+            latency = time.monotonic() - started if done else None
+            parts = [
+                answer.stream_chunk(i, done and i == end - 1, latency) for i in range(first, end)
+            ]
+            if done:
+                parts.append(DONE)
+            return parts
+
+        return await SseStream(request, listener, chunks, answer.framed_chunk, self.faults).run()

@@ -1,0 +1,160 @@
+"""Start simulated replicas for tests, benchmarks and demos, and always stop them again.
+
+Ports come from below the kernel's ephemeral range (32768 and up), where outgoing connections
+take theirs, so a listener never collides with a client socket; a port already taken is
+retried with another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import os
+import random
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from loadtest.replica.config import ReplicaConfig
+from loadtest.replica.server import ReplicaServer
+
+PORT_RANGE = (20000, 32768)
+PORT_ATTEMPTS = 50
+
+
+def random_port() -> int:
+    return random.randrange(*PORT_RANGE)
+
+
+@contextlib.asynccontextmanager
+async def running_replica(config: ReplicaConfig | None = None) -> AsyncIterator[ReplicaServer]:
+    """A replica in this process's event loop, on a free port unless `config.port` is set."""
+    config = config or ReplicaConfig()
+    for attempt in range(PORT_ATTEMPTS):
+        port = config.port or random_port()
+        server = ReplicaServer(dataclasses.replace(config, port=port))
+        try:
+            await server.start()
+            break
+        except OSError as error:
+            await server.stop()
+            if error.errno != errno.EADDRINUSE or config.port or attempt == PORT_ATTEMPTS - 1:
+                raise
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+class ReplicaProcess:
+    """`python -m loadtest.replica` as a child process; use as a context manager."""
+
+    def __init__(self, args: Sequence[str] = (), startup_timeout_s: float = 30.0) -> None:
+        self.args = list(args)
+        self.startup_timeout_s = startup_timeout_s
+        self.process: subprocess.Popen[str] | None = None
+        self.port: int | None = None
+        # A file, not a pipe: a child logging more than a pipe holds would block on it.
+        self._stderr = tempfile.TemporaryFile(mode="w+")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def start(self) -> ReplicaProcess:
+        for _ in range(PORT_ATTEMPTS):
+            port = random_port()
+            self._stderr.seek(0)
+            self._stderr.truncate()
+            process = subprocess.Popen(
+                [sys.executable, "-m", "loadtest.replica", "--port", str(port), *self.args],
+                stdout=subprocess.PIPE,
+                stderr=self._stderr,
+                text=True,
+            )
+            self.process = process
+            line = self._read_ready_line(process)
+            if line is not None:
+                self.port = port
+                return self
+            stderr = self._reap(process)
+            if "address already in use" not in stderr.lower():
+                raise RuntimeError(f"replica failed to start: {stderr.strip()[-2000:]}")
+        raise RuntimeError("no free port found for the replica")
+
+    def _read_ready_line(self, process: subprocess.Popen[str]) -> str | None:
+        """The child's "listening on" line; None if it exited first (e.g. port taken)."""
+        assert process.stdout is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            readable, _, _ = select.select([process.stdout], [], [], min(remaining, 0.5))
+            if readable:
+                # The child prints whole lines and flushes, so this does not block long.
+                line = process.stdout.readline()
+                if "listening on" in line:
+                    return line
+                if not line:
+                    process.wait(timeout=5)
+                    return None
+            elif process.poll() is not None:
+                return None
+        self.stop()
+        raise TimeoutError("replica did not start in time")
+
+    def _reap(self, process: subprocess.Popen[str]) -> str:
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+        return self.stderr_text()
+
+    def stderr_text(self) -> str:
+        self._stderr.flush()
+        self._stderr.seek(0)
+        return self._stderr.read()
+
+    def stop(self) -> int | None:
+        """Terminate (then kill) the child; returns its exit status."""
+        process = self.process
+        if process is None:
+            return None
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+        return process.returncode
+
+    def cpu_seconds(self) -> float:
+        """User plus system CPU time of the child so far, from /proc (Linux)."""
+        with open(f"/proc/{self.pid}/stat") as stat:
+            # The command name may hold spaces; fields are counted after its ')'.
+            fields = stat.read().rsplit(")", 1)[1].split()
+        ticks = int(fields[11]) + int(fields[12])  # utime, stime
+        return ticks / os.sysconf("SC_CLK_TCK")
+
+    def __enter__(self) -> ReplicaProcess:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

@@ -1,0 +1,90 @@
+"""`/metrics` under the names vLLM and SGLang export, so scrapers built for them work here.
+
+Values are read from the engine at scrape time instead of being pushed on every iteration,
+which would cost CPU in the hot loop for numbers nobody may read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from loadtest.replica.driver import RealtimeDriver
+
+
+class ReplicaCollector:
+    def __init__(self, driver: RealtimeDriver, model: str) -> None:
+        self._driver = driver
+        self._labels = [model]
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self._driver.engine
+        counters = engine.counters
+        labels = self._labels
+        usage = engine.cache.usage
+        hit_rate = (
+            counters.prefix_hits_tokens / counters.prefix_queries_tokens
+            if counters.prefix_queries_tokens
+            else 0.0
+        )
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(labels, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(labels, value)
+            return family
+
+        yield gauge(
+            "vllm:num_requests_running", "Requests in the running batch.", engine.num_running
+        )
+        yield gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled.", engine.num_waiting
+        )
+        yield gauge("vllm:kv_cache_usage_perc", "KV cache usage; 1 means 100 percent.", usage)
+        yield counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+            counters.prefix_queries_tokens,
+        )  # fmt: skip
+        yield counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+            counters.prefix_hits_tokens,
+        )  # fmt: skip
+        yield counter(
+            "vllm:prompt_tokens",
+            "Prompt tokens of admitted requests.",
+            counters.prefix_queries_tokens,
+        )
+        yield counter("vllm:generation_tokens", "Generated tokens.", counters.generation_tokens)
+        yield counter("vllm:num_preemptions", "Preempted sequences.", counters.preemptions)
+        yield gauge("sglang:num_running_reqs", "Requests in the running batch.", engine.num_running)
+        yield gauge(
+            "sglang:num_queue_reqs", "Requests waiting to be scheduled.", engine.num_waiting
+        )
+        yield gauge("sglang:token_usage", "Fraction of KV token slots in use.", usage)
+        yield gauge("sglang:cache_hit_rate", "Prefix cache hit rate over prompt tokens.", hit_rate)
+        yield counter(
+            "kvlb_replica_iterations", "Engine iterations run by this simulated replica.",
+            counters.iterations,
+        )  # fmt: skip
+        yield gauge(
+            "kvlb_replica_lag_max_seconds",
+            "Largest real-time lateness of an iteration; large values mean the simulator lags.",
+            self._driver.max_lag_s,
+        )
+
+
+def build_registry(driver: RealtimeDriver, model: str) -> CollectorRegistry:
+    """A registry per server, so several replicas in one process (tests) do not collide."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ReplicaCollector(driver, model))
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

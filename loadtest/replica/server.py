@@ -1,0 +1,266 @@
+"""The HTTP face of one simulated replica: an aiohttp app around a real-time engine driver.
+
+`ReplicaServer` runs in any asyncio loop (the tests start several in one process); the
+command line runs one on uvloop. Routes: the generation routes in `generation.py`, the
+information and health routes vLLM and SGLang expose, `/metrics`, and `/admin/*` for fault
+injection and the simulator's own timing statistics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from loadtest.replica.config import ReplicaConfig
+from loadtest.replica.driver import RealtimeDriver
+from loadtest.replica.engine import Engine
+from loadtest.replica.faults import Faults, FaultSpecError, FaultState
+from loadtest.replica.generation import GenerationRoutes, error_response
+from loadtest.replica.metrics import build_registry, render
+from loadtest.replica.parsing import ApiError, bad_request, parse_json_object
+
+log = logging.getLogger("kvlb.replica")
+
+# Long enough for an admin reply to leave before the process dies.
+EXIT_GRACE_S = 0.05
+# In-flight requests get about this long (aiohttp may wait it twice) to finish on stop; a
+# simulator need not drain for a minute.
+SHUTDOWN_GRACE_S = 0.5
+
+
+def _json(payload: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
+
+
+class ReplicaServer:
+    def __init__(self, config: ReplicaConfig) -> None:
+        self.config = config
+        self.engine = Engine(config.engine_config())
+        self.driver = RealtimeDriver(self.engine, config.time_scale)
+        self.faults = FaultState(config.faults)
+        self.model = config.model_name
+        self.registry = build_registry(self.driver, self.model)
+        self.started_at = int(time.time())
+        self.port: int | None = None
+        self._runner: web.AppRunner | None = None
+        self._exit_handle: asyncio.TimerHandle | None = None
+        self.app = self._build_app()
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def _build_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        GenerationRoutes(self.config, self.driver, self.faults).add_to(app)
+        router = app.router
+        router.add_get("/v1/models", self.models)
+        router.add_get("/health", self.health)
+        router.add_get("/health_generate", self.health)
+        router.add_get("/get_server_info", self.server_info)
+        router.add_get("/server_info", self.server_info)
+        router.add_get("/get_model_info", self.model_info)
+        router.add_get("/model_info", self.model_info)
+        router.add_get("/get_load", self.load)
+        router.add_get("/metrics", self.metrics)
+        router.add_post("/flush_cache", self.flush_cache)  # SGLang's name
+        router.add_post("/reset_prefix_cache", self.flush_cache)  # vLLM's name
+        router.add_get("/admin/fault", self.get_fault)
+        router.add_post("/admin/fault", self.set_fault)
+        router.add_get("/admin/stats", self.stats)
+        router.add_post("/admin/stats/reset", self.reset_stats)
+        return app
+
+    async def start(self) -> int:
+        """Listen and start the engine loop; returns the port (useful with port 0)."""
+        self.driver.start()
+        # Without handler cancellation a client that leaves while its request waits in the
+        # queue would be noticed only at the first write; the engine would keep its blocks.
+        self._runner = web.AppRunner(
+            self.app,
+            access_log=None,
+            handler_cancellation=True,
+            shutdown_timeout=SHUTDOWN_GRACE_S,
+        )
+        await self._runner.setup()
+        sock = socket.socket(socket.AF_INET6 if ":" in self.config.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.config.host, self.config.port))
+        except OSError:
+            sock.close()
+            raise
+        site = web.SockSite(self._runner, sock, backlog=1024)
+        await site.start()
+        self.port = sock.getsockname()[1]
+        self._schedule_exit(self.faults.faults.exit_after_s)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._exit_handle is not None:
+            self._exit_handle.cancel()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        await self.driver.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    def _schedule_exit(self, after_s: float | None) -> None:
+        if self._exit_handle is not None:
+            self._exit_handle.cancel()
+            self._exit_handle = None
+        if after_s is not None:
+            loop = asyncio.get_running_loop()
+            self._exit_handle = loop.call_later(max(after_s, EXIT_GRACE_S), _crash)
+
+    # -- information ---------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model,
+                        "object": "model",
+                        "created": self.started_at,
+                        "owned_by": "kvlb",
+                        "root": self.model,
+                        "parent": None,
+                        "max_model_len": self.engine.max_sequence_tokens,
+                    }
+                ],
+            }
+        )
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.faults.faults.unhealthy or not self.driver.running:
+            return web.Response(status=503, text="unhealthy")
+        return web.Response(status=200)
+
+    def server_info_body(self) -> dict[str, Any]:
+        engine_config = self.engine.config
+        profile = self.engine.profile
+        return {
+            "simulator": "kvlb-replica",
+            "model": self.model,
+            "served_model_name": self.model,
+            "model_path": self.model,
+            "profile": profile.name,
+            "kv_capacity_tokens": self.engine.cache.capacity_tokens,
+            "max_total_num_tokens": self.engine.cache.capacity_tokens,
+            "block_size": engine_config.block_size,
+            "page_size": engine_config.block_size,
+            "time_scale": self.config.time_scale,
+            "max_running_requests": engine_config.max_running,
+            "max_batched_tokens": engine_config.max_batched_tokens,
+            "chunked_prefill_size": engine_config.max_batched_tokens,
+            "max_waiting_requests": engine_config.max_waiting,
+            "context_length": self.engine.max_sequence_tokens,
+            "max_model_len": self.engine.max_sequence_tokens,
+            "default_max_tokens": self.config.default_max_tokens,
+            "tokenizer": "whitespace",
+            "timing_ms": {
+                "a": profile.a_ms,
+                "b": profile.b_ms_per_token,
+                "k": profile.k_ms_per_token2,
+                "d0": profile.d0_ms,
+                "d1": profile.d1_ms_per_seq,
+                "d2": profile.d2_ms_per_ctx_token,
+            },
+        }
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return _json(self.server_info_body())
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return _json(
+            {
+                "model_path": self.model,
+                "tokenizer_path": None,
+                "is_generation": True,
+                "served_model_name": self.model,
+            }
+        )
+
+    async def load(self, request: web.Request) -> web.Response:
+        # SGLang's sum: KV tokens in use plus the prompts still waiting.
+        engine = self.engine
+        used_tokens = engine.cache.used_blocks * engine.block_size
+        return _json(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_tokens": used_tokens + engine.waiting_tokens,
+                    "num_reqs": engine.num_running + engine.num_waiting,
+                    "num_waiting_reqs": engine.num_waiting,
+                }
+            ]
+        )
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=render(self.registry), headers={"Content-Type": "text/plain; version=0.0.4"}
+        )
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        self.engine.clear_cache()
+        return web.Response(status=200, text="cache flushed")
+
+    # -- administration ------------------------------------------------------------------
+
+    async def get_fault(self, request: web.Request) -> web.Response:
+        return _json(self.faults.faults.to_json())
+
+    async def set_fault(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.read()
+            spec = parse_json_object(body) if body.strip() else {}
+            try:
+                faults = Faults.from_json(spec)
+            except FaultSpecError as error:
+                raise bad_request(str(error)) from None
+        except ApiError as error:
+            return error_response(error)
+        self.faults.replace(faults)
+        self._schedule_exit(faults.exit_after_s)
+        log.warning("faults now %s", faults.to_json())
+        return _json(faults.to_json())
+
+    async def stats(self, request: web.Request) -> web.Response:
+        counters = self.engine.counters
+        body = self.driver.stats()
+        body["engine"] = {
+            "iterations": counters.iterations,
+            "requests_finished": counters.requests_finished,
+            "requests_aborted": counters.requests_aborted,
+            "preemptions": counters.preemptions,
+            "prompt_tokens": counters.prefix_queries_tokens,
+            "cached_prompt_tokens": counters.prefix_hits_tokens,
+            "generation_tokens": counters.generation_tokens,
+            "evicted_blocks": self.engine.cache.evicted_blocks_total,
+            "kv_usage": self.engine.cache.usage,
+            "running": self.engine.num_running,
+            "waiting": self.engine.num_waiting,
+        }
+        return _json(body)
+
+    async def reset_stats(self, request: web.Request) -> web.Response:
+        self.driver.reset_stats()
+        return web.Response(status=200)
+
+
+def _crash() -> None:
+    log.warning("injected fault: exiting")
+    with contextlib.suppress(Exception):
+        logging.shutdown()
+    os._exit(1)
