@@ -1,8 +1,9 @@
 """`make demo`: a small fleet on 127.0.0.1, kvlb in front, a burst of OpenAI SDK requests.
 
-Starts stand-in replicas and kvlb as child processes, sends chat and completion requests,
-streaming and not, through the unchanged `openai` client, prints which replica served each,
-and stops everything it started, also on Ctrl-C or error.
+Starts four simulated GPU replicas (`kvlb replica`, llama-3.1-8b on H100, ten times faster
+than the model) and kvlb as child processes, sends chat and completion requests, streaming
+and not, through the unchanged `openai` client, prints which replica served each and what
+its KV cache held, and stops everything it started, also on Ctrl-C or error.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from loadtest.procs import free_port, start_process, stop_process, wait_for_http
 
 REPLICAS = 4
 MODEL = "demo-model"
+PROFILE = "llama-3.1-8b-h100"
+TIME_SCALE = 10
 PROMPTS = [
     "Explain KV caches in one line.",
     "Why does prefix reuse cut time to first token?",
@@ -46,37 +49,62 @@ def write_config(path: Path, kvlb_port: int, replica_ports: list[int]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-async def burst(base_url: str) -> list[tuple[str, str, str]]:
-    served: list[tuple[str, str, str]] = []
+SYSTEM = "You are a terse assistant for platform engineers who run LLM inference fleets. " * 8
+
+
+async def burst(base_url: str) -> list[tuple[str, str, int, int, str]]:
+    """Chat and completion requests, streamed and not; (kind, replica, prompt, cached, text)."""
+    served: list[tuple[str, str, int, int, str]] = []
     async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="demo", max_retries=0, timeout=30) as oai:
 
+        def cached_of(usage) -> int:
+            details = getattr(usage, "prompt_tokens_details", None)
+            return (details.cached_tokens or 0) if details else 0
+
         async def chat(prompt: str, stream: bool) -> None:
-            messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": prompt}]
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
             if stream:
                 raw = await oai.chat.completions.with_raw_response.create(
-                    model=MODEL, messages=messages, max_tokens=6, stream=True
+                    model=MODEL, messages=messages, max_tokens=6, stream=True,
+                    stream_options={"include_usage": True},
                 )
-                text = "".join([c.choices[0].delta.content or "" async for c in raw.parse() if c.choices])
-                served.append(("chat, streamed", raw.headers["x-kvlb-replica"], text))
+                text, usage = "", None
+                async for chunk in raw.parse():
+                    if chunk.choices:
+                        text += chunk.choices[0].delta.content or ""
+                    usage = chunk.usage or usage
+                kind = "chat, streamed"
             else:
                 raw = await oai.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=6)
-                served.append(("chat", raw.headers["x-kvlb-replica"], raw.parse().choices[0].message.content))
+                answer = raw.parse()
+                text, usage, kind = answer.choices[0].message.content, answer.usage, "chat"
+            served.append((kind, raw.headers["x-kvlb-replica"], usage.prompt_tokens, cached_of(usage), text))
 
         async def completion(prompt: str, stream: bool) -> None:
+            prompt = SYSTEM + prompt
             if stream:
-                raw = await oai.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=6, stream=True)
-                text = "".join([c.choices[0].text async for c in raw.parse()])
-                served.append(("completion, streamed", raw.headers["x-kvlb-replica"], text))
+                raw = await oai.completions.with_raw_response.create(
+                    model=MODEL, prompt=prompt, max_tokens=6, stream=True, stream_options={"include_usage": True}
+                )
+                text, usage = "", None
+                async for chunk in raw.parse():
+                    if chunk.choices:
+                        text += chunk.choices[0].text
+                    usage = chunk.usage or usage
+                kind = "completion, streamed"
             else:
                 raw = await oai.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=6)
-                served.append(("completion", raw.headers["x-kvlb-replica"], raw.parse().choices[0].text))
+                answer = raw.parse()
+                text, usage, kind = answer.choices[0].text, answer.usage, "completion"
+            served.append((kind, raw.headers["x-kvlb-replica"], usage.prompt_tokens, cached_of(usage), text))
 
-        jobs = []
-        for i in range(16):
-            prompt = PROMPTS[i % len(PROMPTS)]
-            kind = (chat, completion)[i % 2]
-            jobs.append(kind(prompt, stream=(i // 2) % 2 == 1))
-        await asyncio.gather(*jobs)
+        for _wave in range(2):  # the second wave finds the shared system prompt in some caches
+            jobs = []
+            for i in range(8):
+                prompt = PROMPTS[i % len(PROMPTS)]
+                kind = (chat, completion)[i % 2]
+                jobs.append(kind(prompt, stream=(i // 2) % 2 == 1))
+            await asyncio.gather(*jobs)
         models = await oai.models.list()
         print(f"GET /v1/models through kvlb: {[m.id for m in models.data]}")
     return served
@@ -91,21 +119,22 @@ async def main() -> int:
         config = Path(tmp) / "balancer.yaml"
         write_config(config, kvlb_port, replica_ports)
         try:
-            for i, port in enumerate(replica_ports):
+            for port in replica_ports:
                 procs.append(start_process(
-                    [sys.executable, "-m", "balancer.cli", "stub-replica", "--port", str(port),
-                     "--name", f"replica-{i}", "--model", MODEL, "--token-delay-ms", "20"], env))
+                    [sys.executable, "-m", "balancer.cli", "replica", "--port", str(port),
+                     "--profile", PROFILE, "--model", MODEL, "--time-scale", str(TIME_SCALE)], env))
             for port in replica_ports:
                 await wait_for_http(f"http://127.0.0.1:{port}/health")
             procs.append(start_process([sys.executable, "-m", "balancer.cli", "serve", "--config", str(config)], env))
             base_url = f"http://127.0.0.1:{kvlb_port}"
             await wait_for_http(base_url + "/ready")
-            print(f"kvlb on {base_url} in front of {REPLICAS} stand-in replicas (policy least_load)\n")
+            print(f"kvlb on {base_url} in front of {REPLICAS} simulated {PROFILE} replicas "
+                  f"(time scale {TIME_SCALE}), policy least_load\n")
             served = await burst(base_url)
-            print(f"\n{'#':>3}  {'request':<22} {'served by':<10} answer")
-            for i, (kind, replica, text) in enumerate(served, 1):
-                print(f"{i:>3}  {kind:<22} {replica:<10} {text.strip()[:50]}")
-            counts = Counter(replica for _, replica, _ in served)
+            print(f"\n{'#':>3}  {'request':<22} {'served by':<10} {'prompt':>6} {'cached':>6}  answer")
+            for i, (kind, replica, prompt_tokens, cached, text) in enumerate(served, 1):
+                print(f"{i:>3}  {kind:<22} {replica:<10} {prompt_tokens:>6} {cached:>6}  {text.strip()[:40]}")
+            counts = Counter(replica for _, replica, *_ in served)
             print("\nrequests per replica: " + ", ".join(f"{r}={n}" for r, n in sorted(counts.items())))
         finally:
             for proc in reversed(procs):
