@@ -185,6 +185,21 @@ class LoggingSettings:
     access_log: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class RoutingSettings:
+    """How requests are turned into prefixes and located: used by cache-aware policies."""
+
+    region: str | None = _checked(None, _non_empty)  # this balancer's own region
+    region_header: str = _checked("x-kvlb-region", _header_name)
+    allowed_regions_header: str = _checked("x-kvlb-allowed-regions", _header_name)
+    route_header: bool = False  # x-kvlb-route on answers: the decision and its terms
+    block_chars: int = _checked(64, _at_least(1))
+    tokens_per_char: float = _checked(0.25, _positive)
+    index_ttl_s: float = _checked(600.0, _positive)
+    index_max_entries: int = _checked(2_000_000, _at_least(1))
+    forget_unhealthy_after_s: float = _checked(30.0, _positive)
+
+
 def _some_replicas_uniquely_named(replicas: tuple[ReplicaSettings, ...]) -> tuple[ReplicaSettings, ...]:
     if not replicas:
         raise ValueError("at least one replica is required")
@@ -231,6 +246,7 @@ class Settings:
     health: HealthSettings = _section(HealthSettings)
     models: ModelDiscovery = _section(ModelDiscovery)
     headers: HeaderSettings = _section(HeaderSettings)
+    routing: RoutingSettings = _section(RoutingSettings)
     logging: LoggingSettings = _section(LoggingSettings)
 
 

@@ -65,9 +65,23 @@ class Fleet:
         self.replicas: tuple[Replica, ...] = tuple(Replica(s) for s in replicas)
         self.by_name: dict[str, Replica] = {r.name: r for r in self.replicas}
 
-    def candidates(self, model: str | None) -> list[Replica]:
-        """Replicas a request for `model` may go to, or the ClientError explaining why none."""
+    def candidates(self, model: str | None, allowed_regions: frozenset[str] | None = None) -> list[Replica]:
+        """Replicas a request for `model` may go to, or the ClientError explaining why none.
+
+        `allowed_regions` is data residency, a hard filter: a replica outside it (or with no
+        region label) never serves the request, even when that leaves none.
+        """
         serving = [r for r in self.replicas if r.serves(model)]
+        if allowed_regions is not None and serving:
+            serving = [r for r in serving if r.labels.get("region") in allowed_regions]
+            if not serving:
+                raise ClientError(
+                    503,
+                    "no replica serving this model is in the allowed regions "
+                    + ", ".join(sorted(allowed_regions)),
+                    "no_replica_in_allowed_regions",
+                    retry_after=5,
+                )
         if not serving:
             raise ClientError(
                 404,

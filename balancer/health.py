@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import aiohttp
 
@@ -18,10 +19,17 @@ log = logging.getLogger("kvlb.health")
 
 
 class HealthChecker:
-    def __init__(self, fleet: Fleet, settings: HealthSettings, session: aiohttp.ClientSession) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        settings: HealthSettings,
+        session: aiohttp.ClientSession,
+        on_change: Callable[[Replica, bool], None] | None = None,
+    ) -> None:
         self.fleet = fleet
         self.settings = settings
         self.session = session
+        self.on_change = on_change
         self._streak: dict[str, int] = {}  # >0: good checks in a row, <0: failed ones
 
     async def probe(self, replica: Replica) -> bool:
@@ -40,9 +48,13 @@ class HealthChecker:
         if replica.healthy and -streak >= self.settings.unhealthy_threshold:
             replica.healthy = False
             log.warning("replica %s is unhealthy after %d failed checks", replica.name, -streak)
+            if self.on_change is not None:
+                self.on_change(replica, False)
         elif not replica.healthy and streak >= self.settings.healthy_threshold:
             replica.healthy = True
             log.info("replica %s is healthy again", replica.name)
+            if self.on_change is not None:
+                self.on_change(replica, True)
 
     async def check_once(self) -> None:
         replicas = self.fleet.replicas

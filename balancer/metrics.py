@@ -24,25 +24,27 @@ from balancer.fleet import Fleet
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 NO_REPLICA = "none"
+ERROR_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )
 
 
 class _Histogram:
-    __slots__ = ("counts", "total")
+    __slots__ = ("bounds", "counts", "total")
 
-    def __init__(self) -> None:
-        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)  # the last one is +Inf
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
         self.total = 0.0
 
     def observe(self, value: float) -> None:
-        self.counts[bisect_left(LATENCY_BUCKETS, value)] += 1
+        self.counts[bisect_left(self.bounds, value)] += 1
         self.total += value
 
     def family_buckets(self) -> list[tuple[str, float]]:
         cumulative, out = 0, []
-        for bound, count in zip((*LATENCY_BUCKETS, float("inf")), self.counts, strict=True):
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
             cumulative += count
             out.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
         return out
@@ -57,6 +59,10 @@ class Metrics(Collector):
         self.durations: defaultdict[str, _Histogram] = defaultdict(_Histogram)
         self.attempts: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.disconnects: defaultdict[str, int] = defaultdict(int)
+        self.predicted_tokens: defaultdict[str, int] = defaultdict(int)
+        self.actual_tokens: defaultdict[str, int] = defaultdict(int)
+        self.corrections: defaultdict[str, int] = defaultdict(int)
+        self.prediction_error = _Histogram(ERROR_BUCKETS)
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
@@ -69,6 +75,14 @@ class Metrics(Collector):
 
     def count_disconnect(self, route: str) -> None:
         self.disconnects[route] += 1
+
+    def observe_lesson(self, replica: str, predicted: int, actual: int, corrected: bool) -> None:
+        """A replica's reported cached tokens against the prefix index's prediction."""
+        self.predicted_tokens[replica] += predicted
+        self.actual_tokens[replica] += actual
+        self.prediction_error.observe(abs(predicted - actual))
+        if corrected:
+            self.corrections[replica] += 1
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -105,6 +119,35 @@ class Metrics(Collector):
         for route, count in list(self.disconnects.items()):
             disconnects.add_metric([route], count)
         yield disconnects
+
+        predicted = CounterMetricFamily(
+            "kvlb_prefix_predicted_cached_tokens",
+            "Cached prompt tokens the prefix index predicted, for answers that reported theirs",
+            labels=["replica"],
+        )
+        actual = CounterMetricFamily(
+            "kvlb_prefix_actual_cached_tokens",
+            "Cached prompt tokens replicas reported (in the balancer's token estimate)",
+            labels=["replica"],
+        )
+        corrections = CounterMetricFamily(
+            "kvlb_prefix_index_corrections",
+            "Times a replica held less than predicted and the index forgot what it had evicted",
+            labels=["replica"],
+        )
+        for replica in list(self.predicted_tokens):
+            predicted.add_metric([replica], self.predicted_tokens[replica])
+            actual.add_metric([replica], self.actual_tokens[replica])
+            corrections.add_metric([replica], self.corrections.get(replica, 0))
+        yield predicted
+        yield actual
+        yield corrections
+        error = HistogramMetricFamily(
+            "kvlb_prefix_prediction_error_tokens",
+            "Absolute difference between predicted and reported cached tokens per answer",
+        )
+        error.add_metric([], self.prediction_error.family_buckets(), self.prediction_error.total)
+        yield error
 
         # Load and health are read from the fleet, their one source of truth.
         in_flight = GaugeMetricFamily(

@@ -21,7 +21,9 @@ from balancer.errors import ClientError
 from balancer.fleet import Replica
 from balancer.http_server import Headers, Request, ResponseStream
 from balancer.metrics import Metrics
+from balancer.routing import CacheTracker, Routed
 from balancer.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from balancer.usage import usage_from_body, usage_from_sse
 from policies.base import Choice
 
 log = logging.getLogger("kvlb.proxy")
@@ -88,18 +90,30 @@ def upstream_headers(headers: Headers, connection: str | None, request_id: str, 
 
 
 class Proxy:
-    def __init__(self, settings: Settings, metrics: Metrics, pool: UpstreamPool) -> None:
+    def __init__(
+        self, settings: Settings, metrics: Metrics, pool: UpstreamPool, tracker: CacheTracker | None = None
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.pool = pool
+        self.tracker = tracker
         self.max_attempts = settings.retries.max_attempts
         self.expose_replica = settings.headers.expose_replica
         self.id_header = settings.headers.request_id
 
     async def forward(
-        self, request: Request, ranking: Sequence[Choice], request_id: str, outcome: Outcome
+        self,
+        request: Request,
+        ranking: Sequence[Choice],
+        request_id: str,
+        outcome: Outcome,
+        routed: Routed | None = None,
+        extra_headers: Headers | None = None,
     ) -> None:
+        """`routed` carries cache-aware bookkeeping (None for policies that need none);
+        `extra_headers` go on the answer."""
         first_byte_s = self.settings.timeouts.first_byte_s
+        tracker = self.tracker if routed is not None else None
         headers = upstream_headers(request.headers, request.header("connection"), request_id, self.id_header)
         failures: list[str] = []
         for choice in ranking[: self.max_attempts]:
@@ -108,6 +122,9 @@ class Proxy:
             outcome.attempts.append(replica.name)
             replica.in_flight += 1
             resp: UpstreamResponse | None = None
+            answered = False
+            if tracker is not None:
+                tracker.start(routed, replica)
             try:
                 try:
                     resp = await self.pool.request(
@@ -124,12 +141,15 @@ class Proxy:
                     continue
                 self.metrics.count_attempt(replica.name, "ok")
                 outcome.status = resp.status
-                await self._relay(request, resp, replica, request_id, outcome)
+                answered = True
+                await self._relay(request, resp, replica, request_id, outcome, routed, extra_headers)
                 return
             finally:
                 if resp is not None:
                     resp.close()
                 replica.in_flight -= 1
+                if tracker is not None:
+                    tracker.finish(routed, answered=answered)
         raise ClientError(
             502,
             f"all {len(failures)} attempt(s) failed: " + "; ".join(failures),
@@ -137,7 +157,9 @@ class Proxy:
             type_="upstream_error",
         )
 
-    def _response_headers(self, resp: UpstreamResponse, replica: Replica, request_id: str) -> Headers:
+    def _response_headers(
+        self, resp: UpstreamResponse, replica: Replica, request_id: str, extra: Headers | None
+    ) -> Headers:
         id_header = self.id_header
         out = [
             (name, value) for name, value in resp.headers
@@ -146,13 +168,30 @@ class Proxy:
         out.append((id_header, request_id))
         if self.expose_replica:
             out.append((REPLICA_HEADER, replica.name))
+        if extra:
+            out += extra
         return out
 
+    def _learn(self, routed: Routed, replica: Replica, usage: tuple[int, int] | None) -> None:
+        if usage is None or self.tracker is None:
+            return
+        lesson = self.tracker.learn(routed, replica, *usage)
+        if lesson is not None:
+            self.metrics.observe_lesson(replica.name, lesson.predicted, lesson.actual, lesson.corrected)
+
     async def _relay(
-        self, request: Request, resp: UpstreamResponse, replica: Replica, request_id: str, outcome: Outcome
+        self,
+        request: Request,
+        resp: UpstreamResponse,
+        replica: Replica,
+        request_id: str,
+        outcome: Outcome,
+        routed: Routed | None,
+        extra_headers: Headers | None,
     ) -> None:
         idle_s = self.settings.timeouts.stream_idle_s
-        headers = self._response_headers(resp, replica, request_id)
+        headers = self._response_headers(resp, replica, request_id, extra_headers)
+        tracker = self.tracker if routed is not None else None
         length = resp.content_length
         is_sse = (resp.header("Content-Type") or "").startswith("text/event-stream")
         if length is not None and length <= BUFFER_LIMIT_BYTES and not is_sse:
@@ -162,6 +201,9 @@ class Proxy:
                 async with asyncio.timeout(idle_s):
                     data = await resp.read(BUFFER_LIMIT_BYTES)
             request.respond(resp.status, headers, data)
+            if tracker is not None:
+                tracker.first_byte(routed)
+                self._learn(routed, replica, usage_from_body(data))
             return
 
         stream = await request.start_stream(resp.status, headers, length)
@@ -174,6 +216,10 @@ class Proxy:
                 async for chunk in resp.iter_chunks():
                     await stream.write(chunk)
                     idle.reschedule(loop.time() + idle_s)
+                    if tracker is not None:
+                        tracker.first_byte(routed)
+                        if not routed.learned:
+                            self._learn(routed, replica, usage_from_sse(chunk))
         except (UpstreamError, TimeoutError) as exc:
             log.warning("request %s: stream from %s broke: %r", request_id, replica.name, exc)
             self.metrics.count_attempt(replica.name, "broken_stream")

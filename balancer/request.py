@@ -67,7 +67,7 @@ def parse_request(
     )
 
 
-def canonical_prompt(route: str, data: Mapping[str, Any]) -> str:
+def canonical_prompt(route: str, data: Mapping[str, Any]) -> str | list[int]:
     """The prompt as one string, built the same way every time so equal prefixes stay equal.
 
     Chat messages are flattened in order as role marker then content, tools first since
@@ -83,9 +83,10 @@ def canonical_prompt(route: str, data: Mapping[str, Any]) -> str:
                 parts.append(f"<|{message.get('role', '')}|>{_text_of(message.get('content'))}")
         return "\n".join(parts)
     if route == "/generate":
-        if "text" in data:
-            return _text_of(data.get("text"))
-        return _text_of(data.get("input_ids"))
+        ids = data.get("input_ids")
+        if "text" not in data and isinstance(ids, list) and all(isinstance(i, int) for i in ids):
+            return ids  # hashed by token blocks, as the engine caches them
+        return _text_of(data.get("text"))
     if route == "/v1/embeddings":
         return _text_of(data.get("input"))
     return _text_of(data.get("prompt"))

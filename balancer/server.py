@@ -6,6 +6,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
+from collections.abc import Sequence
+from dataclasses import replace
 
 import aiohttp
 import orjson
@@ -13,15 +16,16 @@ import orjson
 from balancer.config import Settings
 from balancer.discovery import ModelDiscovery
 from balancer.errors import JSON_HEADERS, ClientError
-from balancer.fleet import Fleet
+from balancer.fleet import Fleet, Replica
 from balancer.health import HealthChecker
 from balancer.http_server import Headers, HttpServer, Request, ServerLimits
 from balancer.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from balancer.metrics import NO_REPLICA, Metrics
 from balancer.proxy import Outcome, Proxy, end_broken_response
 from balancer.request import SESSION_HEADER, parse_request
+from balancer.routing import CacheTracker
 from balancer.upstream import UpstreamPool
-from policies.base import Policy
+from policies.base import Choice, Policy
 from policies.registry import make_policy
 
 log = logging.getLogger("kvlb.server")
@@ -29,6 +33,7 @@ access_log = logging.getLogger("kvlb.access")
 
 FORWARDED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/generate")
 OTHER_ROUTE = "other"
+ROUTE_HEADER = "x-kvlb-route"
 
 
 def make_error_answer(id_header: str):  # noqa: ANN201
@@ -54,7 +59,16 @@ class Balancer:
         self.metrics = Metrics(self.fleet)
         self.in_flight = 0
         self.pool = UpstreamPool(connect_timeout_s=settings.timeouts.connect_s)
-        self.proxy = Proxy(settings, self.metrics, self.pool)
+        # Prefix hashing and the index cost CPU on every request: only for policies that use them.
+        self.tracker = CacheTracker(settings.routing, time.monotonic) if self.policy.needs_prompt else None
+        if self.tracker is not None:
+            for replica in self.fleet.replicas:
+                self.tracker.index.set_capacity(replica.name, replica.kv_capacity_tokens)
+        self.proxy = Proxy(settings, self.metrics, self.pool, self.tracker)
+        routing = settings.routing
+        self._region_header = routing.region_header
+        self._allowed_header = routing.allowed_regions_header
+        self._route_header = routing.route_header
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._get_routes = {
@@ -79,8 +93,11 @@ class Balancer:
         # Health checks and model discovery are rare and use aiohttp's client; forwarding, the
         # hot path, uses the lean pool.
         self.session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
-        discovery = ModelDiscovery(self.fleet, self.settings.models, self.session)
-        health = HealthChecker(self.fleet, self.settings.health, self.session)
+        discovery = ModelDiscovery(
+            self.fleet, self.settings.models, self.session,
+            on_capacity=self._capacity_reported if self.tracker is not None else None,
+        )
+        health = HealthChecker(self.fleet, self.settings.health, self.session, on_change=self._health_changed)
         # One round before serving, so /v1/models and model routing know the fleet at once.
         await asyncio.gather(discovery.refresh_once(), health.check_once())
         self._tasks = [asyncio.create_task(discovery.run()), asyncio.create_task(health.run())]
@@ -94,6 +111,22 @@ class Balancer:
         self.pool.close()
         if self.session is not None:
             await self.session.close()
+
+    def _capacity_reported(self, replica: Replica, tokens: int) -> None:
+        if self.tracker is not None and replica.kv_capacity_tokens is None:
+            self.tracker.index.set_capacity(replica.name, tokens)
+
+    def _health_changed(self, replica: Replica, healthy: bool) -> None:
+        if healthy or self.tracker is None:
+            return
+        # A replica down for long has probably restarted with an empty cache: forget it then.
+        def forget_if_still_down() -> None:
+            if not replica.healthy and self.tracker is not None:
+                self.tracker.forget(replica.name)
+
+        asyncio.get_running_loop().call_later(
+            self.settings.routing.forget_unhealthy_after_s, forget_if_still_down
+        )
 
     # dispatch ------------------------------------------------------------------------------
 
@@ -175,15 +208,25 @@ class Balancer:
             raise ClientError(
                 503, "the balancer is at limits.max_in_flight; retry shortly", "overloaded", retry_after=1
             )
-        candidates = self.fleet.candidates(features.model)
-        ranking = self.policy.rank(features, candidates)
-        if log.isEnabledFor(logging.DEBUG):
-            head = ranking[0]
-            log.debug(
-                "request %s route %s model %s -> %s %s (of %d)",
-                request_id, route, features.model, head.replica.name, dict(head.terms), len(ranking),
+        allowed = request.header(self._allowed_header)
+        candidates = self.fleet.candidates(
+            features.model, allowed_regions(allowed) if allowed is not None else None
+        )
+        routed = None
+        if self.tracker is not None and features.prompt is not None:
+            routed = self.tracker.predict(features.prompt)
+            features = replace(
+                features,
+                prompt_tokens=routed.prompt_tokens,
+                cached_tokens=routed.cached,
+                origin_region=request.header(self._region_header) or self.settings.routing.region,
             )
-        await self.proxy.forward(request, ranking, request_id, outcome)
+        ranking = self.policy.rank(features, candidates)
+        explained = explain(ranking) if self._route_header or log.isEnabledFor(logging.DEBUG) else None
+        if explained is not None:
+            log.debug("request %s %s model %s: %s", request_id, route, features.model, explained)
+        extra = [(ROUTE_HEADER, explained)] if self._route_header and explained else None
+        await self.proxy.forward(request, ranking, request_id, outcome, routed, extra)
 
     # local routes --------------------------------------------------------------------------
 
@@ -206,6 +249,19 @@ class Balancer:
 
     def metrics_page(self, request: Request) -> None:
         request.respond(200, [("Content-Type", METRICS_CONTENT_TYPE)], self.metrics.render())
+
+
+def allowed_regions(header: str) -> frozenset[str]:
+    return frozenset(part.strip() for part in header.split(",") if part.strip())
+
+
+def explain(ranking: Sequence[Choice]) -> str:
+    """The decision in one line: the chosen replica's terms, then the runner-up's."""
+    parts = []
+    for label, choice in zip(("chosen", "next"), ranking[:2], strict=False):
+        terms = " ".join(f"{k}={v:g}" for k, v in choice.terms.items())
+        parts.append(f"{label}={choice.replica.name} {terms}".strip())
+    return "; ".join(parts)
 
 
 class RunningBalancer:

@@ -54,7 +54,7 @@ class RequestFeatures:
     # Affinity key: the `x-session-id` header, else the body's `user` field.
     session_key: str | None = None
     # Canonical prompt text; filled only for policies whose `needs_prompt` is true.
-    prompt: str | None = None
+    prompt: str | Sequence[int] | None = None
     # Estimated prompt length in tokens, and per replica name the leading tokens of this
     # prompt the prefix index believes that replica holds in its KV cache (absent: none).
     # Filled only for policies whose `needs_prompt` is true.
