@@ -71,6 +71,14 @@ class Fleet:
         `allowed_regions` is data residency, a hard filter: a replica outside it (or with no
         region label) never serves the request, even when that leaves none.
         """
+        ready = [
+            r for r in self.replicas
+            if r.healthy and r.serves(model) and r.has_room()
+            and (allowed_regions is None or r.labels.get("region") in allowed_regions)
+        ]
+        if ready:
+            return ready
+        # None left: find out why, for an answer that says so.
         serving = [r for r in self.replicas if r.serves(model)]
         if allowed_regions is not None and serving:
             serving = [r for r in serving if r.labels.get("region") in allowed_regions]

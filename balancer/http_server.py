@@ -25,6 +25,12 @@ from http import HTTPStatus
 log = logging.getLogger("kvlb.http")
 
 Headers = list[tuple[str, str]]
+# Headers about this connection or this message's framing, never forwarded by a proxy
+# (RFC 9110 §7.6.1 hop-by-hop, plus what the next hop recomputes).
+CONNECTION_HEADERS = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length", "expect",
+})
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 # RFC 9110 tokens for methods and header names; header values: visible ASCII, tab, space and
 # obs-text, so no CR, LF or NUL can smuggle a second header or request through.
@@ -46,8 +52,8 @@ class HttpError(Exception):
 class Request:
     """One parsed request; `headers` keeps names as sent, `header()` looks up case-blind."""
 
-    __slots__ = ("method", "target", "path", "version", "headers", "_lookup", "body", "remote",
-                 "_conn")
+    __slots__ = ("method", "target", "path", "version", "headers", "end_to_end_headers", "_lookup",
+                 "body", "remote", "_conn")
 
     def __init__(self, method: str, target: str, version: str, headers: Headers,
                  lookup: dict[str, str], conn: _Connection) -> None:
@@ -56,6 +62,8 @@ class Request:
         self.path = target.split("?", 1)[0]
         self.version = version
         self.headers = headers
+        # The headers a proxy forwards: `headers` without CONNECTION_HEADERS.
+        self.end_to_end_headers: Headers = headers
         self._lookup = lookup
         self.body = b""
         self.remote = conn.peer
@@ -319,12 +327,15 @@ class _Connection(asyncio.Protocol):
         if len(lines) > self.limits.max_headers:
             raise HttpError(431, "too many request headers", "headers_too_large")
         headers: Headers = []
+        end_to_end: Headers = []
         lookup: dict[str, str] = {}
         for line in lines:
             name, _, value = line.partition(":")
             value = value.strip(" \t")
             headers.append((name, value))
             lower = name.lower()
+            if lower not in CONNECTION_HEADERS:
+                end_to_end.append((name, value))
             if lower in lookup:
                 if lower == "content-length" and lookup[lower] != value:
                     raise HttpError(400, "conflicting Content-Length headers", "bad_request")
@@ -332,6 +343,7 @@ class _Connection(asyncio.Protocol):
             else:
                 lookup[lower] = value
         request = Request(method, target, version, headers, lookup, self)
+        request.end_to_end_headers = end_to_end
         self._frame_body(request, lookup, version)
         self._request = request
         return True
@@ -436,8 +448,7 @@ class _Connection(asyncio.Protocol):
         self._keep_alive = False
         self.response_started = False
         headers, body = self.server.error_body(exc.status, exc.message, exc.code, self._request)
-        self._write_head(exc.status, headers, len(body), close=True)
-        self.transport.write(body)
+        self._write_head(exc.status, headers, len(body), close=True, body=body)
         self.transport.close()
         self.closed = True
 
@@ -477,7 +488,8 @@ class _Connection(asyncio.Protocol):
                     self.transport.close()
 
     def _write_head(self, status: int, headers: Iterable[tuple[str, str]], length: int | None,
-                    *, close: bool = False, chunked: bool = False) -> None:
+                    *, close: bool = False, chunked: bool = False, body: bytes = b"") -> None:
+        """Write the status line and headers, and `body` with them: one write, one syscall."""
         self.response_started = True
         reason = _REASONS.get(status, "Unknown")
         parts = [f"HTTP/1.1 {status} {reason}\r\n"]
@@ -496,16 +508,16 @@ class _Connection(asyncio.Protocol):
         head = "".join(parts).encode("latin-1")
         if not has_date:
             head += b"Date: " + self.server.date_header(time.time()) + b"\r\n"
-        self.transport.write(head + b"\r\n")
+        if len(body) < 65536:
+            self.transport.write(head + b"\r\n" + body)
+        else:
+            self.transport.writelines((head, b"\r\n", body))
 
     def write_response(self, request: Request, status: int, headers: Iterable[tuple[str, str]],
                        body: bytes) -> None:
         if self.closed:
             return
-        head_only = request.method == "HEAD"
-        self._write_head(status, headers, len(body))
-        if body and not head_only:
-            self.transport.write(body)
+        self._write_head(status, headers, len(body), body=b"" if request.method == "HEAD" else body)
 
     def start_stream(self, request: Request, status: int, headers: Iterable[tuple[str, str]],
                      content_length: int | None) -> ResponseStream:

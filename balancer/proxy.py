@@ -28,16 +28,14 @@ from policies.base import Choice
 
 log = logging.getLogger("kvlb.proxy")
 
-# RFC 9110 §7.6.1: meaningful only for one connection, never forwarded.
-HOP_BY_HOP = frozenset(
+# RFC 9110 §7.6.1: meaningful only for one connection, never forwarded; Content-Length is
+# recomputed by the side that writes the message.
+RESPONSE_DROP = frozenset(
     {
         "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-        "te", "trailer", "transfer-encoding", "upgrade",
+        "te", "trailer", "transfer-encoding", "upgrade", "content-length",
     }
 )
-# Recomputed by the side that writes the message.
-REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
-RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
 RETRY_STATUSES = frozenset({502, 503})
 # Bodies this small with a known length are answered in one write; anything else is relayed
 # chunk by chunk so memory stays flat and streams stay live.
@@ -74,17 +72,16 @@ async def end_broken_response(request: Request, outcome: Outcome, reason: str) -
         request.abort()
 
 
-def upstream_headers(headers: Headers, connection: str | None, request_id: str, id_header: str) -> Headers:
-    connection_tokens = (
-        {token.strip().lower() for token in connection.split(",")} if connection else ()
-    )
-    out = [
-        (name, value)
-        for name, value in headers
-        if (lower := name.lower()) not in REQUEST_DROP
-        and lower not in connection_tokens
-        and lower != id_header
-    ]
+def upstream_headers(request: Request, request_id: str, id_header: str) -> Headers:
+    """The client's end-to-end headers, less any the Connection header names, plus the id."""
+    connection = request.header("connection")
+    tokens = {t.strip().lower() for t in connection.split(",")} - {"keep-alive", "close"} if connection else None
+    if tokens:
+        out = [(n, v) for n, v in request.end_to_end_headers if n.lower() not in tokens]
+    else:
+        out = list(request.end_to_end_headers)
+    if request.header(id_header) is not None:
+        out = [(n, v) for n, v in out if n.lower() != id_header]
     out.append((id_header, request_id))
     return out
 
@@ -114,7 +111,7 @@ class Proxy:
         `extra_headers` go on the answer."""
         first_byte_s = self.settings.timeouts.first_byte_s
         tracker = self.tracker if routed is not None else None
-        headers = upstream_headers(request.headers, request.header("connection"), request_id, self.id_header)
+        headers = upstream_headers(request, request_id, self.id_header)
         failures: list[str] = []
         for choice in ranking[: self.max_attempts]:
             replica: Replica = choice.replica  # type: ignore[assignment]

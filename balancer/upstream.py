@@ -100,6 +100,13 @@ class UpstreamResponse:
         return self._done and self._error is None
 
     async def read(self, limit: int) -> bytes:
+        if self._done and self._error is None and len(self._chunks) <= 1:
+            # The usual small answer: all there already, no need to iterate.
+            data = self._chunks.popleft() if self._chunks else b""
+            if len(data) > limit:
+                raise UpstreamError(f"response body over {limit} bytes")
+            self._buffered = 0
+            return data
         parts: list[bytes] = []
         size = 0
         async for chunk in self.iter_chunks():
