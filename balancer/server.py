@@ -8,7 +8,6 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 
 import aiohttp
 import orjson
@@ -25,7 +24,7 @@ from balancer.proxy import Outcome, Proxy, end_broken_response
 from balancer.request import SESSION_HEADER, parse_request
 from balancer.routing import CacheTracker
 from balancer.upstream import UpstreamPool
-from policies.base import Choice, Policy
+from policies.base import Choice, Policy, RequestFeatures
 from policies.registry import make_policy
 
 log = logging.getLogger("kvlb.server")
@@ -215,8 +214,12 @@ class Balancer:
         routed = None
         if self.tracker is not None and features.prompt is not None:
             routed = self.tracker.predict(features.prompt)
-            features = replace(
-                features,
+            features = RequestFeatures(
+                route=route,
+                model=features.model,
+                stream=features.stream,
+                session_key=features.session_key,
+                prompt=features.prompt,
                 prompt_tokens=routed.prompt_tokens,
                 cached_tokens=routed.cached,
                 origin_region=request.header(self._region_header) or self.settings.routing.region,

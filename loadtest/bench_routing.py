@@ -1,8 +1,7 @@
 """Routing-cost benchmark: prefix hashing + index walk + scoring, and index memory per entry.
 
-Route time covers hashing the canonical prompt (lazily), `PrefixIndex.match`, and scoring 16
-replicas. The scoring is a STAND-IN for the cache-aware policy: cost = prompt tokens - matched
-tokens + in-flight x 256. Prompts are synthetic text, 4 characters a token. The index is
+Route time covers hashing the canonical prompt (lazily), `PrefixIndex.match`, and ranking 16
+replicas with the real `cache_aware` policy (balancer.fleet replicas with random loads). Prompts are synthetic text, 4 characters a token. The index is
 filled first with sessions that share a system prompt. Of the routed prompt's own blocks,
 2 replicas hold all, 4 hold half, 6 hold the system prompt and 4 hold none (most of those 4
 hold the system prompt anyway, through other sessions). Other prompts fill the index to about
@@ -27,15 +26,18 @@ import sys
 import time
 import tracemalloc
 
+from balancer.config import ReplicaSettings
+from balancer.fleet import Replica
 from balancer.index import PrefixIndex
 from balancer.prefix import PrefixHasher
+from policies.base import RequestFeatures
+from policies.registry import make_policy
 
 REPLICAS = [f"gpu-{i:02d}" for i in range(16)]
 SIZES = [1_000, 8_000, 32_000, 128_000]  # prompt tokens
 ROUTES = {1_000: 3000, 8_000: 1500, 32_000: 500, 128_000: 150}
 SESSIONS = {1_000: 32, 8_000: 32, 32_000: 16, 128_000: 8}
 ROUNDS = 5  # route timings come in rounds; the spread of round medians shows the noise
-IN_FLIGHT_TOKENS = 256  # stand-in weight: one queued request costs as much as 256 tokens
 FLOORS_US = {8_000: 150.0, 32_000: 500.0}
 FLOOR_BYTES_PER_MILLION = 300e6
 
@@ -49,19 +51,6 @@ def synthetic_text(tokens: int, rng: random.Random) -> str:
     chars = tokens * 4
     words = rng.choices(_WORDS, k=chars // 5 + 8)
     return " ".join(words)[:chars].ljust(chars, ".")
-
-
-def standin_score(prompt_tokens: int, matched: dict[str, int], tokens_per_block: float,
-                  in_flight: dict[str, int]) -> str:
-    """STAND-IN for the real cache-aware policy: the cheapest replica by tokens to prefill
-    plus a load term."""
-    best, best_cost = "", float("inf")
-    for name in REPLICAS:
-        cost = (prompt_tokens - matched.get(name, 0) * tokens_per_block
-                + in_flight[name] * IN_FLIGHT_TOKENS)
-        if cost < best_cost:
-            best, best_cost = name, cost
-    return best
 
 
 def fill(index: PrefixIndex, rng: random.Random) -> dict[int, list[tuple[str, str]]]:
@@ -105,14 +94,25 @@ def bench_routes(scale: float) -> dict[int, float]:
     routable = fill(index, rng)
     print(f"index pre-filled: {index.entries:,} entries, {index.nodes:,} nodes, "
           f"{time.perf_counter() - started:.1f} s")
-    in_flight = {name: rng.randrange(8) for name in REPLICAS}
+    replicas = [Replica(ReplicaSettings(url=f"http://10.0.0.{i}:8000", name=name))
+                for i, name in enumerate(REPLICAS)]
+    for replica in replicas:
+        replica.in_flight = rng.randrange(8)
+        replica.prefill_tokens_queued = rng.randrange(4) * 2048
+        replica.decoding = replica.in_flight
+    policy = make_policy("cache_aware", seed=7)
     tpb = hasher.tokens_per_block
     perf = time.perf_counter_ns
 
     def route(prompt: str):
         lazy = hasher.lazy(prompt)
         matched = index.match(lazy)
-        best = standin_score(hasher.estimate_tokens(prompt), matched, tpb, in_flight)
+        features = RequestFeatures(
+            route="/v1/chat/completions",
+            prompt_tokens=hasher.estimate_tokens(prompt),
+            cached_tokens={name: int(blocks * tpb) for name, blocks in matched.items()},
+        )
+        best = policy.rank(features, replicas)[0].replica.name
         return lazy, matched, best
 
     header = (f"{'prompt':>8} {'case':<26} {'route p50 us':>12} {'p99':>7} {'rounds p50':>13} "
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"python -m loadtest.bench_routing {' '.join(argv or sys.argv[1:])}".rstrip())
     print(f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs; block = "
           f"{hasher.block_chars} chars = {hasher.tokens_per_block:g} tokens; scoring is a "
-          "STAND-IN (16 replicas, cost = prompt - matched + in_flight x 256 tokens)")
+          "the cache_aware policy over 16 replicas")
     medians = bench_routes(args.scale)
     ok = all(medians[size] <= floor for size, floor in FLOORS_US.items())
     if not args.no_memory:

@@ -35,7 +35,7 @@ def write_config(path: Path, kvlb_port: int, replica_ports: list[int]) -> None:
     zones = ["us-east-1a", "us-east-1b"]
     lines = [
         f"listen: {{host: 127.0.0.1, port: {kvlb_port}}}",
-        "policy: {name: least_load}",
+        "policy: {name: cache_aware}",
         "health: {interval_s: 1.0}",
         "replicas:",
     ]
@@ -129,7 +129,7 @@ async def main() -> int:
             base_url = f"http://127.0.0.1:{kvlb_port}"
             await wait_for_http(base_url + "/ready")
             print(f"kvlb on {base_url} in front of {REPLICAS} simulated {PROFILE} replicas "
-                  f"(time scale {TIME_SCALE}), policy least_load\n")
+                  f"(time scale {TIME_SCALE}), policy cache_aware\n")
             served = await burst(base_url)
             print(f"\n{'#':>3}  {'request':<22} {'served by':<10} {'prompt':>6} {'cached':>6}  answer")
             for i, (kind, replica, prompt_tokens, cached, text) in enumerate(served, 1):
