@@ -9,7 +9,9 @@ import aiohttp
 import orjson
 import pytest
 
+from balancer.server import start_balancer
 from loadtest.stub_replica import make_stub_app
+from policies.base import Policy
 from tests.conftest import free_port, make_settings, run_balancer, serve_app
 from tests.upstreams import Seen, hanging_app, slow_sse_app
 
@@ -174,3 +176,28 @@ async def test_limits_max_in_flight_and_replica_max_concurrency() -> None:
                 assert_openai_error(await resp.read(), "overloaded")
             first.cancel()
             await asyncio.gather(first, return_exceptions=True)
+
+
+async def test_unexpected_error_is_500_naming_the_request_id_and_logged(caplog) -> None:
+    class BrokenPolicy(Policy):
+        name = "broken"
+
+        def rank(self, request, replicas):
+            raise RuntimeError("policy bug")
+
+    async with serve_app(make_stub_app("a")) as replica:
+        running = await start_balancer(make_settings([replica]), BrokenPolicy(), port=free_port())
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"http://127.0.0.1:{running.port}/v1/completions",
+                                     json={"model": "stub-model", "prompt": "x"},
+                                     headers={"x-request-id": "req-500"}) as resp:
+                    assert resp.status == 500
+                    error = assert_openai_error(await resp.read(), "internal_error")
+                    assert "req-500" in error["message"]
+                # The balancer keeps serving.
+                async with http.get(f"http://127.0.0.1:{running.port}/health") as resp:
+                    assert resp.status == 200
+        finally:
+            await running.close(grace_s=0.5)
+    assert any("req-500" in r.getMessage() and r.exc_info for r in caplog.records)
