@@ -22,6 +22,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from email.utils import formatdate
 from http import HTTPStatus
 
+from balancer.chunked import ChunkedDecoder, ChunkedError, ChunkedTooLarge
+
 log = logging.getLogger("kvlb.http")
 
 Headers = list[tuple[str, str]]
@@ -197,7 +199,7 @@ class _Connection(asyncio.Protocol):
         self._request: Request | None = None  # the request whose body is being read
         self._body_left = 0
         self._chunked = False
-        self._chunk_state = "size"
+        self._decoder = ChunkedDecoder()
         self._body_parts: list[bytes] = []
         self._body_size = 0
         self._keep_alive = True
@@ -362,7 +364,8 @@ class _Connection(asyncio.Protocol):
             if transfer_encoding.strip().lower() != "chunked":
                 raise HttpError(501, f"unsupported Transfer-Encoding {transfer_encoding!r}",
                                 "unsupported_transfer_encoding")
-            self._chunked, self._chunk_state, self._body_left = True, "size", 0
+            self._chunked, self._body_left = True, 0
+            self._decoder = ChunkedDecoder(max_trailer_bytes=self.limits.max_header_bytes)
         else:
             self._chunked = False
             if length_text is None:
@@ -398,46 +401,20 @@ class _Connection(asyncio.Protocol):
                     self._arm(self.limits.body_timeout_s, self._read_expired)
                     return False
             return True
-        while True:
-            if self._chunk_state == "size":
-                end = buf.find(b"\r\n")
-                if end < 0:
-                    if len(buf) > 1024:
-                        raise HttpError(400, "chunk size line too long", "bad_request")
-                    break
-                size_text = bytes(buf[:end]).split(b";", 1)[0].strip()
-                try:
-                    self._body_left = int(size_text, 16)
-                except ValueError:
-                    raise HttpError(400, "malformed chunk size", "bad_request") from None
-                del buf[: end + 2]
-                self._chunk_state = "data" if self._body_left else "trailer"
-            elif self._chunk_state == "data":
-                take = min(self._body_left, len(buf))
-                if not take:
-                    break
-                self._take_body(buf[:take])
-                del buf[:take]
-                self._body_left -= take
-                if self._body_left:
-                    break
-                self._chunk_state = "crlf"
-            elif self._chunk_state == "crlf":
-                if len(buf) < 2:
-                    break
-                if buf[:2] != b"\r\n":
-                    raise HttpError(400, "missing CRLF after a chunk", "bad_request")
-                del buf[:2]
-                self._chunk_state = "size"
-            else:  # trailers, ignored, up to the empty line
-                end = buf.find(b"\r\n")
-                if end < 0:
-                    if len(buf) > self.limits.max_header_bytes:
-                        raise HttpError(431, "trailers too large", "headers_too_large")
-                    break
-                del buf[: end + 2]
-                if end == 0:
-                    return True
+        # Chunked: the decoder takes everything buffered; what follows the body (a pipelined
+        # request) comes back once the body has ended.
+        data, self._buffer = bytes(buf), bytearray()
+        try:
+            pieces, rest = self._decoder.feed(data)
+        except ChunkedError as exc:
+            too_large = isinstance(exc, ChunkedTooLarge)
+            status, code = (431, "headers_too_large") if too_large else (400, "bad_request")
+            raise HttpError(status, str(exc), code) from None
+        for piece in pieces:
+            self._take_body(piece)
+        if self._decoder.done:
+            self._buffer += rest
+            return True
         self._arm(self.limits.body_timeout_s, self._read_expired)
         return False
 

@@ -17,6 +17,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from urllib.parse import urlsplit
 
+from balancer.chunked import ChunkedDecoder, ChunkedError
+
 MAX_HEAD_BYTES = 64 * 1024
 PAUSE_ABOVE_BYTES = 256 * 1024
 RESUME_BELOW_BYTES = 64 * 1024
@@ -144,6 +146,7 @@ class _Connection(asyncio.Protocol):
         self._keep_alive = True
         self._got_bytes = False
         self._complete = False
+        self._chunked: ChunkedDecoder | None = None
 
     # asyncio.Protocol -------------------------------------------------------------------------
 
@@ -291,8 +294,7 @@ class _Connection(asyncio.Protocol):
         self._keep_alive = keep_alive
         if chunked:
             self._body_mode, content_length = "chunked", None
-            self._chunk_state = "size"
-            self._remaining = 0
+            self._chunked = ChunkedDecoder()
         elif status in _NO_BODY_STATUSES or content_length == 0:
             self._body_mode, self._remaining = "length", 0
         elif content_length is not None:
@@ -311,56 +313,17 @@ class _Connection(asyncio.Protocol):
 
     def _parse_chunked(self, data: bytes) -> None:
         response = self._response
-        assert response is not None
-        buf = self._buffer + data if self._buffer else data
-        self._buffer = b""
-        pos = 0
-        out: list[bytes] = []
-        while pos < len(buf):
-            if self._chunk_state == "size":
-                end = buf.find(b"\r\n", pos)
-                if end < 0:
-                    if len(buf) - pos > 1024:
-                        raise UpstreamError("chunk size line too long")
-                    self._buffer = buf[pos:]
-                    break
-                size_text = buf[pos:end].split(b";", 1)[0].strip()
-                try:
-                    self._remaining = int(size_text, 16)
-                except ValueError:
-                    raise UpstreamError(f"bad chunk size: {size_text[:20]!r}") from None
-                pos = end + 2
-                self._chunk_state = "data" if self._remaining else "trailer"
-            elif self._chunk_state == "data":
-                take = min(self._remaining, len(buf) - pos)
-                out.append(buf[pos:pos + take])
-                pos += take
-                self._remaining -= take
-                if self._remaining == 0:
-                    self._chunk_state = "crlf"
-            elif self._chunk_state == "crlf":
-                if len(buf) - pos < 2:
-                    self._buffer = buf[pos:]
-                    break
-                if buf[pos:pos + 2] != b"\r\n":
-                    raise UpstreamError("missing CRLF after chunk data")
-                pos += 2
-                self._chunk_state = "size"
-            else:  # trailer section: lines until an empty one
-                end = buf.find(b"\r\n", pos)
-                if end < 0:
-                    self._buffer = buf[pos:]
-                    break
-                if end == pos:
-                    if end + 2 != len(buf):
-                        self._keep_alive = False
-                    pos = len(buf)
-                    self._complete = True
-                else:
-                    pos = end + 2
-        if out:
-            response._feed(b"".join(out) if len(out) > 1 else out[0])
-        if self._complete:
+        assert response is not None and self._chunked is not None
+        try:
+            pieces, rest = self._chunked.feed(data)
+        except ChunkedError as exc:
+            raise UpstreamError(str(exc)) from None
+        if pieces:
+            response._feed(b"".join(pieces) if len(pieces) > 1 else pieces[0])
+        if self._chunked.done:
+            if rest:
+                self._keep_alive = False  # bytes beyond the body: the connection is confused
+            self._complete = True
             response._finish()
 
 

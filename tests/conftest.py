@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import copy
 import random
-import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -29,19 +28,6 @@ async def start_site(runner: web.BaseRunner) -> int:
         except OSError:
             continue
         return port
-    raise RuntimeError("no free test port")
-
-
-def free_port() -> int:
-    """A port free right now, for servers started as separate processes."""
-    for _ in range(100):
-        port = random.randrange(*TEST_PORT_RANGE)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
     raise RuntimeError("no free test port")
 
 

@@ -11,7 +11,6 @@ import inspect
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -20,19 +19,10 @@ from balancer.config import load_settings
 from policies.base import Choice, ReplicaView, RequestFeatures
 from policies.cache_aware import CacheAwarePolicy
 from policies.registry import POLICIES, make_policy
+from tests.fakes import FakeReplica
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "config" / "cache-aware.yaml"
 TERM_NAMES = {"cached", "uncached", "queued", "decode", "locality", "cost", "wait_ms", "tier"}
-
-
-@dataclass
-class FakeReplica:
-    name: str
-    weight: float = 1.0
-    labels: Mapping[str, str] = field(default_factory=dict)
-    in_flight: int = 0
-    prefill_tokens_queued: int = 0
-    decoding: int = 0
 
 
 def fleet_of(n: int, **fields) -> list[FakeReplica]:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtest.procs import start_process, stop_process, wait_for_http
+from loadtest.procs import free_port, start_process, stop_process, wait_for_http
 from loadtest.stub_replica import make_stub_app
-from tests.conftest import free_port, serve_app
+from tests.conftest import serve_app
 
 KVLB = [sys.executable, "-m", "balancer.cli"]
 

@@ -10,9 +10,10 @@ import orjson
 import pytest
 
 from balancer.server import start_balancer
+from loadtest.procs import free_port
 from loadtest.stub_replica import make_stub_app
 from policies.base import Policy
-from tests.conftest import free_port, make_settings, run_balancer, serve_app
+from tests.conftest import make_settings, run_balancer, serve_app
 from tests.upstreams import Seen, hanging_app, slow_sse_app
 
 

@@ -7,8 +7,9 @@ from contextlib import AsyncExitStack
 import aiohttp
 from multidict import CIMultiDict
 
+from loadtest.procs import free_port
 from loadtest.stub_replica import make_stub_app
-from tests.conftest import free_port, make_settings, run_balancer, serve_app
+from tests.conftest import make_settings, run_balancer, serve_app
 from tests.upstreams import Seen, hanging_app, status_app
 
 BODY = {"model": "stub-model", "prompt": "p", "max_tokens": 2}

@@ -8,8 +8,9 @@ from contextlib import AsyncExitStack
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.procs import free_port
 from loadtest.stub_replica import make_stub_app
-from tests.conftest import free_port, make_settings, run_balancer, serve_app
+from tests.conftest import make_settings, run_balancer, serve_app
 from tests.upstreams import Seen, hanging_app
 
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -17,19 +15,10 @@ from policies.power_of_two import PowerOfTwoPolicy
 from policies.random import RandomPolicy
 from policies.registry import POLICIES, make_policy
 from policies.round_robin import RoundRobinPolicy
+from tests.fakes import FakeReplica
 
 BASELINE_NAMES = ["random", "round_robin", "least_load", "power_of_two", "consistent_hash"]
 REQUEST = RequestFeatures(route="/v1/chat/completions", model="m")
-
-
-@dataclass
-class FakeReplica:
-    name: str
-    weight: float = 1.0
-    labels: Mapping[str, str] = field(default_factory=dict)
-    in_flight: int = 0
-    prefill_tokens_queued: int = 0
-    decoding: int = 0
 
 
 def make_fleet(n: int, loads: list[int] | None = None, weights: list[float] | None = None):

@@ -10,7 +10,8 @@ from contextlib import asynccontextmanager
 import pytest
 
 from balancer.upstream import UpstreamError, UpstreamPool
-from tests.conftest import TEST_PORT_RANGE, free_port
+from loadtest.procs import free_port
+from tests.conftest import TEST_PORT_RANGE
 
 assert TEST_PORT_RANGE
 

@@ -1,0 +1,18 @@
+"""Hand-made fleets for policy tests: replicas are plain data a test sets as it likes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass
+class FakeReplica:
+    """Implements policies.base.ReplicaView."""
+
+    name: str
+    weight: float = 1.0
+    labels: Mapping[str, str] = field(default_factory=dict)
+    in_flight: int = 0
+    prefill_tokens_queued: int = 0
+    decoding: int = 0
