@@ -4,7 +4,7 @@ Before ranking: the prompt's block hashes, its estimated length in tokens, and, 
 prefix index, how many leading tokens each replica is believed to hold. After the choice:
 the chosen replica is recorded as holding the prompt (it will once it has prefilled), its
 queued prefill grows by the tokens it must compute, and when the first byte comes back that
-work turns into a decoding sequence. When the replica reports what it really had cached, a
+work is done; the request holds a decode slot until it finishes. When the replica reports what it really had cached, a
 wrong guess is corrected in the index.
 
 Kept apart from HTTP so the offline simulator can drive the same bookkeeping in virtual time.
@@ -77,6 +77,9 @@ class CacheTracker:
         routed.uncached = max(routed.prompt_tokens - routed.cached.get(replica.name, 0), 0)
         routed.phase = PREFILLING
         replica.prefill_tokens_queued += routed.uncached
+        # It holds a batch slot from now on: a non-streaming answer's first byte is its last,
+        # so waiting for it to count the request as decoding would miss its whole decode.
+        replica.decoding += 1
         blocks = int(routed.cached.get(replica.name, 0) / self.index.tokens_per_block)
         routed.predicted_last_use = (
             self.index.last_use(replica.name, routed.hashes[blocks - 1]) if blocks else None
@@ -84,11 +87,10 @@ class CacheTracker:
         self.index.record(replica.name, routed.hashes)
 
     def first_byte(self, routed: Routed) -> None:
-        """The replica has answered: its prefill is done and the request is decoding."""
+        """The replica has answered: its prefill is done."""
         replica = routed.replica
         if replica is not None and routed.phase == PREFILLING:
             replica.prefill_tokens_queued -= routed.uncached
-            replica.decoding += 1
             routed.phase = DECODING
 
     def finish(self, routed: Routed, *, answered: bool) -> None:
@@ -99,7 +101,7 @@ class CacheTracker:
             return
         if routed.phase == PREFILLING:
             replica.prefill_tokens_queued -= routed.uncached
-        elif routed.phase == DECODING:
+        if routed.phase != IDLE:
             replica.decoding -= 1
         if not answered:
             had = int(routed.cached.get(replica.name, 0) / self.index.tokens_per_block)

@@ -40,7 +40,9 @@ class ReplicaView(Protocol):
 
     @property
     def decoding(self) -> int:
-        """Requests routed here that are past their first token and still generating."""
+        """Requests routed here that hold (or are about to hold) a slot in its decode batch:
+        every unfinished one, since a non-streaming answer shows no first token before its
+        last."""
         ...
 
 

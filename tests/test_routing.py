@@ -17,12 +17,12 @@ def make() -> tuple[CacheTracker, Replica, list[float]]:
     return tracker, replica, now
 
 
-def test_prefill_becomes_decoding_then_nothing() -> None:
+def test_prefill_is_queued_until_the_first_byte_and_the_slot_held_until_the_end() -> None:
     tracker, replica, _ = make()
     routed = tracker.predict(PROMPT)
     assert routed.cached == {} and routed.prompt_tokens == 500
     tracker.start(routed, replica)
-    assert replica.prefill_tokens_queued == 500 and replica.decoding == 0
+    assert replica.prefill_tokens_queued == 500 and replica.decoding == 1
     tracker.first_byte(routed)
     tracker.first_byte(routed)  # every later chunk is not another first byte
     assert replica.prefill_tokens_queued == 0 and replica.decoding == 1
