@@ -143,6 +143,7 @@ class Timeouts:
     first_byte_s: float = _checked(60.0, _positive)
     total_s: float = _checked(600.0, _positive)
     stream_idle_s: float = _checked(120.0, _positive)
+    drain_s: float = _checked(30.0, _positive)  # on SIGTERM: how long requests in flight may finish
 
 
 @dataclass(frozen=True, slots=True)

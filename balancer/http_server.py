@@ -152,6 +152,8 @@ class HttpServer:
         self.limits = limits
         self.connections: set[_Connection] = set()
         self._server: asyncio.Server | None = None
+        # Shutting down: answers in progress finish, then their connections close.
+        self.closing = False
         self._date = b""
         self._date_second = -1
 
@@ -169,6 +171,7 @@ class HttpServer:
 
     async def close(self, grace_s: float = 10.0) -> None:
         """Stop accepting; let requests in progress finish within `grace_s`; close the rest."""
+        self.closing = True
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):
@@ -479,7 +482,7 @@ class _Connection(asyncio.Protocol):
             parts.append(f"Content-Length: {length}\r\n")
         elif chunked:
             parts.append("Transfer-Encoding: chunked\r\n")
-        if close or not self._keep_alive:
+        if close or not self._keep_alive or self.server.closing:
             self._keep_alive = False
             parts.append("Connection: close\r\n")
         head = "".join(parts).encode("latin-1")

@@ -78,6 +78,7 @@ class Balancer:
         }
         self._post_routes = frozenset(FORWARDED_ROUTES)
         self._id_prefix = os.urandom(6).hex()
+        self.draining = False
         self.access_log = settings.logging.access_log
         self._request_seq = 0
 
@@ -241,6 +242,10 @@ class Balancer:
         request.respond(200, JSON_HEADERS, b'{"status":"ok"}')
 
     def ready(self, request: Request) -> None:
+        if self.draining:
+            exc = ClientError(503, "shutting down", "draining", retry_after=1)
+            request.respond(503, exc.headers(), exc.body())
+            return
         counts = self.fleet.counts()
         if counts.healthy == 0:
             exc = ClientError(503, f"no healthy replica (0 of {counts.total})", "no_healthy_replica",
@@ -275,8 +280,12 @@ class RunningBalancer:
         self.server = server
         self.port = port
 
-    async def close(self, grace_s: float = 10.0) -> None:
-        await self.server.close(grace_s)
+    async def close(self, grace_s: float | None = None) -> None:
+        """Stop accepting, let requests in flight finish (within `timeouts.drain_s` unless
+        `grace_s` says otherwise), then stop. /ready answers 503 from the start, so a load
+        balancer in front stops sending here."""
+        self.balancer.draining = True
+        await self.server.close(self.balancer.settings.timeouts.drain_s if grace_s is None else grace_s)
         await self.balancer.stop()
 
 

@@ -14,6 +14,7 @@ import aiohttp
 from loadtest.procs import free_port, start_process, stop_process, wait_for_http
 from loadtest.stub_replica import make_stub_app
 from tests.conftest import serve_app
+from tests.upstreams import Seen, slow_sse_app
 
 KVLB = [sys.executable, "-m", "balancer.cli"]
 
@@ -104,3 +105,24 @@ async def test_access_log_lines_name_route_status_and_replica(tmp_path: Path) ->
         assert len(access) == 1
         assert "POST /v1/completions 200 replica=only" in access[0]["message"]
         assert "id=trace-me" in access[0]["message"]
+
+
+async def test_sigterm_lets_streams_in_flight_finish_then_exits_0() -> None:
+    seen = Seen()
+    async with serve_app(slow_sse_app(seen, chunks=6, gap_s=0.15)) as replica:
+        port = free_port()
+        proc = start_process(KVLB + ["serve", "--replica", replica, "--port", str(port)], quiet=False)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            await wait_for_http(url + "/ready")
+            async with aiohttp.ClientSession() as http:
+                async with http.post(url + "/v1/completions",
+                                     json={"model": "m", "prompt": "p", "stream": True}) as resp:
+                    first = await resp.content.readline()
+                    assert first.startswith(b"data: {")
+                    proc.send_signal(signal.SIGTERM)
+                    rest = await resp.read()
+                assert rest.count(b"data: {") == 5 and rest.endswith(b"data: [DONE]\n\n")
+            assert proc.wait(10) == 0
+        finally:
+            stop_process(proc)
