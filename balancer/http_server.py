@@ -210,6 +210,7 @@ class _Connection(asyncio.Protocol):
         self.response_started = False
         self._reading_paused = False
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_kind = ""  # "idle", "head" or "body": what the timer guards
 
     # connection lifecycle ----------------------------------------------------------------------
 
@@ -218,7 +219,7 @@ class _Connection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.peer = peer[0] if isinstance(peer, tuple) else ""
         self.server.connections.add(self)
-        self._arm(self.limits.keepalive_timeout_s, self._idle_expired)
+        self._arm(self.limits.keepalive_timeout_s, self._idle_expired, "idle")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -252,22 +253,30 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
-    def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:
+    def _arm(self, delay_s: float, callback: Callable[[], None], kind: str) -> None:
         self._disarm()
         self._timer = self.loop.call_later(delay_s, callback)
+        self._timer_kind = kind
+
+    def _arm_once(self, delay_s: float, callback: Callable[[], None], kind: str) -> None:
+        """Deadlines for reading count from the phase's start: more bytes do not extend them,
+        so a client that drips its request cannot hold the connection forever."""
+        if self._timer_kind != kind:
+            self._arm(delay_s, callback, kind)
 
     def _disarm(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._timer_kind = ""
 
     def _idle_expired(self) -> None:
-        self._timer = None
+        self._timer, self._timer_kind = None, ""
         if self.handler_task is None and not self._buffer:
             self.transport.close()
 
     def _read_expired(self) -> None:
-        self._timer = None
+        self._timer, self._timer_kind = None, ""
         if self.handler_task is None:
             self._refuse(HttpError(408, "the request was not received in time", "request_timeout"))
 
@@ -309,7 +318,7 @@ class _Connection(asyncio.Protocol):
                 raise HttpError(431, "request headers are larger than limits.max_header_bytes",
                                 "headers_too_large")
             if buf:
-                self._arm(self.limits.header_timeout_s, self._read_expired)
+                self._arm_once(self.limits.header_timeout_s, self._read_expired, "head")
             return False
         if end > self.limits.max_header_bytes:
             raise HttpError(431, "request headers are larger than limits.max_header_bytes",
@@ -401,7 +410,7 @@ class _Connection(asyncio.Protocol):
                     del buf[:take]
                     self._body_left -= take
                 if self._body_left:
-                    self._arm(self.limits.body_timeout_s, self._read_expired)
+                    self._arm_once(self.limits.body_timeout_s, self._read_expired, "body")
                     return False
             return True
         # Chunked: the decoder takes everything buffered; what follows the body (a pipelined
@@ -418,7 +427,7 @@ class _Connection(asyncio.Protocol):
         if self._decoder.done:
             self._buffer += rest
             return True
-        self._arm(self.limits.body_timeout_s, self._read_expired)
+        self._arm_once(self.limits.body_timeout_s, self._read_expired, "body")
         return False
 
     def _refuse(self, exc: HttpError) -> None:
@@ -463,7 +472,7 @@ class _Connection(asyncio.Protocol):
                         except HttpError as exc:
                             self._refuse(exc)
                     if self.handler_task is None and self._timer is None:
-                        self._arm(self.limits.keepalive_timeout_s, self._idle_expired)
+                        self._arm(self.limits.keepalive_timeout_s, self._idle_expired, "idle")
                 else:
                     self.transport.close()
 

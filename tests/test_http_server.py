@@ -163,3 +163,22 @@ async def test_client_disconnect_cancels_the_handler() -> None:
         writer.close()
         await asyncio.wait_for(asyncio.shield(task), 2)  # hangs for an hour unless cancelled
         assert task.done()
+
+
+async def test_a_client_dripping_its_headers_does_not_extend_the_deadline() -> None:
+    async with server(header_timeout_s=0.3) as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        writer.write(b"POST / HTTP/1.1\r\n")
+        answer = b""
+        for _ in range(40):  # a byte every 0.05 s: never idle, never finished
+            try:
+                answer = await asyncio.wait_for(reader.read(4096), 0.05)
+                break  # the server answered; writing more would only hit a closed socket
+            except TimeoutError:
+                writer.write(b"X")
+        elapsed = loop.time() - started
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 408 ")
+        assert elapsed < 0.9  # the deadline counted from the first byte, not the last
