@@ -165,6 +165,10 @@ class HealthSettings:
     timeout_s: float = _checked(2.0, _positive)
     unhealthy_threshold: int = _checked(2, _at_least(1))
     healthy_threshold: int = _checked(1, _at_least(1))
+    # Passive outlier ejection from live traffic (see balancer/breaker.py).
+    eject_after_failures: int = _checked(5, _at_least(1))
+    ejection_base_s: float = _checked(5.0, _positive)
+    ejection_max_s: float = _checked(300.0, _positive)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from balancer.breaker import Breaker, BreakerSettings
 from balancer.config import ReplicaSettings
 from balancer.errors import ClientError
 
@@ -17,10 +18,10 @@ class Replica:
     __slots__ = (
         "name", "url", "weight", "labels", "max_concurrency", "kv_capacity_tokens",
         "declared_model", "in_flight", "healthy", "discovered_models", "model_cards",
-        "prefill_tokens_queued", "decoding",
+        "prefill_tokens_queued", "decoding", "breaker",
     )
 
-    def __init__(self, settings: ReplicaSettings) -> None:
+    def __init__(self, settings: ReplicaSettings, breaker: BreakerSettings | None = None) -> None:
         self.name: str = settings.name or settings.url
         self.url: str = settings.url
         self.weight: float = settings.weight
@@ -31,6 +32,7 @@ class Replica:
         self.in_flight = 0
         self.prefill_tokens_queued = 0
         self.decoding = 0
+        self.breaker = Breaker(breaker or BreakerSettings())
         # Optimistic until the first health check says otherwise, so a fresh balancer serves at once.
         self.healthy = True
         # None until the replica has answered /v1/models once.
@@ -61,11 +63,13 @@ class FleetCounts:
 
 
 class Fleet:
-    def __init__(self, replicas: Iterable[ReplicaSettings]) -> None:
-        self.replicas: tuple[Replica, ...] = tuple(Replica(s) for s in replicas)
+    def __init__(self, replicas: Iterable[ReplicaSettings], breaker: BreakerSettings | None = None) -> None:
+        self.replicas: tuple[Replica, ...] = tuple(Replica(s, breaker) for s in replicas)
         self.by_name: dict[str, Replica] = {r.name: r for r in self.replicas}
 
-    def candidates(self, model: str | None, allowed_regions: frozenset[str] | None = None) -> list[Replica]:
+    def candidates(
+        self, model: str | None, allowed_regions: frozenset[str] | None = None, now: float = 0.0
+    ) -> list[Replica]:
         """Replicas a request for `model` may go to, or the ClientError explaining why none.
 
         `allowed_regions` is data residency, a hard filter: a replica outside it (or with no
@@ -73,7 +77,7 @@ class Fleet:
         """
         ready = [
             r for r in self.replicas
-            if r.healthy and r.serves(model) and r.has_room()
+            if r.healthy and r.serves(model) and r.has_room() and r.breaker.allows(now)
             and (allowed_regions is None or r.labels.get("region") in allowed_regions)
         ]
         if ready:
@@ -97,7 +101,7 @@ class Fleet:
                 "model_not_found",
                 param="model",
             )
-        healthy = [r for r in serving if r.healthy]
+        healthy = [r for r in serving if r.healthy and r.breaker.allows(now)]
         if not healthy:
             raise ClientError(
                 503,

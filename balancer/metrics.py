@@ -7,6 +7,7 @@ is still prometheus_client's. One registry per balancer, so several can share a 
 
 from __future__ import annotations
 
+import asyncio
 from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from balancer.breaker import STATE_VALUES
 from balancer.fleet import Fleet
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -156,8 +158,28 @@ class Metrics(Collector):
         healthy = GaugeMetricFamily(
             "kvlb_replica_healthy", "1 when the replica passes its health checks", labels=["replica"]
         )
+        breaker = GaugeMetricFamily(
+            "kvlb_replica_breaker_state",
+            "Outlier-ejection breaker per replica: 0 closed, 1 open (ejected), 2 half-open (probing)",
+            labels=["replica"],
+        )
+        ejections = CounterMetricFamily(
+            "kvlb_replica_ejections", "Times live traffic ejected the replica", labels=["replica"]
+        )
+        queued = GaugeMetricFamily(
+            "kvlb_queued_prefill_tokens",
+            "Prompt tokens routed to the replica and not yet past their first token (cache-aware policies)",
+            labels=["replica"],
+        )
+        now = asyncio.get_running_loop().time()
         for replica in self.fleet.replicas:
             in_flight.add_metric([replica.name], replica.in_flight)
             healthy.add_metric([replica.name], 1.0 if replica.healthy else 0.0)
+            breaker.add_metric([replica.name], STATE_VALUES[replica.breaker.state(now)])
+            ejections.add_metric([replica.name], replica.breaker.ejected_total)
+            queued.add_metric([replica.name], replica.prefill_tokens_queued)
         yield in_flight
         yield healthy
+        yield breaker
+        yield ejections
+        yield queued

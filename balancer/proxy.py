@@ -36,7 +36,10 @@ RESPONSE_DROP = frozenset(
         "te", "trailer", "transfer-encoding", "upgrade", "content-length",
     }
 )
-RETRY_STATUSES = frozenset({502, 503})
+# Answers that move a request to the next replica: the replica is down, overloaded or
+# rate-limiting; nothing was generated, so nothing is lost by asking another.
+RETRY_STATUSES = frozenset({429, 502, 503})
+MAX_RETRY_AFTER_S = 3600.0
 # Bodies this small with a known length are answered in one write; anything else is relayed
 # chunk by chunk so memory stays flat and streams stay live.
 BUFFER_LIMIT_BYTES = 1 << 20
@@ -86,6 +89,17 @@ def upstream_headers(request: Request, request_id: str, id_header: str) -> Heade
     return out
 
 
+def _retry_after_seconds(value: str | None) -> float | None:
+    """Retry-After as seconds (RFC 9110 §10.2.3 delay-seconds; an HTTP date is ignored)."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return min(seconds, MAX_RETRY_AFTER_S) if seconds >= 0 else None
+
+
 class Proxy:
     def __init__(
         self, settings: Settings, metrics: Metrics, pool: UpstreamPool, tracker: CacheTracker | None = None
@@ -113,11 +127,15 @@ class Proxy:
         tracker = self.tracker if routed is not None else None
         headers = upstream_headers(request, request_id, self.id_header)
         failures: list[str] = []
+        loop = asyncio.get_running_loop()
+        retry_after: float | None = None
         for choice in ranking[: self.max_attempts]:
             replica: Replica = choice.replica  # type: ignore[assignment]
             outcome.replica = replica.name
             outcome.attempts.append(replica.name)
             replica.in_flight += 1
+            breaker = replica.breaker
+            breaker.started(loop.time())
             resp: UpstreamResponse | None = None
             answered = False
             if tracker is not None:
@@ -130,12 +148,25 @@ class Proxy:
                 except (TimeoutError, OSError) as exc:
                     kind = "timeout" if isinstance(exc, TimeoutError) else "connect_error"
                     failures.append(f"{replica.name}: {kind} ({exc.__class__.__name__})")
-                    self.metrics.count_attempt(replica.name, kind)
+                    self._failed(replica, kind, loop.time())
                     continue
                 if resp.status in RETRY_STATUSES:
                     failures.append(f"{replica.name}: HTTP {resp.status}")
-                    self.metrics.count_attempt(replica.name, f"http_{resp.status}")
+                    wait = _retry_after_seconds(resp.header("Retry-After"))
+                    if wait is not None:
+                        # The replica said when to come back: route elsewhere until then.
+                        breaker.hold_off(loop.time(), wait)
+                        retry_after = wait if retry_after is None else min(retry_after, wait)
+                        self.metrics.count_attempt(replica.name, f"http_{resp.status}")
+                    elif resp.status == 429:
+                        self.metrics.count_attempt(replica.name, "http_429")
+                    else:
+                        self._failed(replica, f"http_{resp.status}", loop.time())
                     continue
+                if resp.status >= 500:
+                    breaker.failed(loop.time())
+                else:
+                    breaker.succeeded()
                 self.metrics.count_attempt(replica.name, "ok")
                 outcome.status = resp.status
                 answered = True
@@ -152,7 +183,23 @@ class Proxy:
             f"all {len(failures)} attempt(s) failed: " + "; ".join(failures),
             "upstream_failed",
             type_="upstream_error",
+            retry_after=None if retry_after is None else max(1, round(retry_after)),
         )
+
+    def _failed(self, replica: Replica, kind: str, now: float) -> None:
+        self.metrics.count_attempt(replica.name, kind)
+        if replica.breaker.failed(now):
+            log.warning("replica %s ejected after %s (ejection %d in a row)",
+                        replica.name, kind, replica.breaker.ejections)
+            if self.tracker is not None:
+                # Still out after a while: it has likely restarted and lost its cache.
+                asyncio.get_running_loop().call_later(
+                    self.settings.routing.forget_unhealthy_after_s, self._forget_if_ejected, replica
+                )
+
+    def _forget_if_ejected(self, replica: Replica) -> None:
+        if self.tracker is not None and replica.breaker.state(asyncio.get_running_loop().time()) != "closed":
+            self.tracker.forget(replica.name)
 
     def _response_headers(
         self, resp: UpstreamResponse, replica: Replica, request_id: str, extra: Headers | None
@@ -219,7 +266,7 @@ class Proxy:
                             self._learn(routed, replica, usage_from_sse(chunk))
         except (UpstreamError, TimeoutError) as exc:
             log.warning("request %s: stream from %s broke: %r", request_id, replica.name, exc)
-            self.metrics.count_attempt(replica.name, "broken_stream")
+            self._failed(replica, "broken_stream", asyncio.get_running_loop().time())
             await end_broken_response(
                 request, outcome, f"the stream from replica {replica.name} broke: {exc.__class__.__name__}"
             )

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import aiohttp
 import orjson
 
+from balancer.breaker import BreakerSettings
 from balancer.config import Settings
 from balancer.discovery import ModelDiscovery
 from balancer.errors import JSON_HEADERS, ClientError
@@ -51,7 +52,11 @@ class Balancer:
 
     def __init__(self, settings: Settings, policy: Policy | None = None) -> None:
         self.settings = settings
-        self.fleet = Fleet(settings.replicas)
+        health = settings.health
+        self.fleet = Fleet(
+            settings.replicas,
+            BreakerSettings(health.eject_after_failures, health.ejection_base_s, health.ejection_max_s),
+        )
         self.policy = policy or make_policy(
             settings.policy.name, settings.policy.params, settings.policy.seed
         )
@@ -210,7 +215,9 @@ class Balancer:
             )
         allowed = request.header(self._allowed_header)
         candidates = self.fleet.candidates(
-            features.model, allowed_regions(allowed) if allowed is not None else None
+            features.model,
+            allowed_regions(allowed) if allowed is not None else None,
+            asyncio.get_running_loop().time(),
         )
         routed = None
         if self.tracker is not None and features.prompt is not None:

@@ -1,0 +1,97 @@
+"""Outlier ejection: live traffic takes a failing replica out at once and lets it back in
+through a single probe."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import AsyncExitStack
+
+import aiohttp
+from aiohttp import web
+
+from balancer.breaker import CLOSED, HALF_OPEN, OPEN, Breaker, BreakerSettings
+from loadtest.stub_replica import make_stub_app
+from tests.conftest import make_settings, run_balancer, serve_app
+from tests.upstreams import Seen, status_app
+
+
+def test_opens_after_consecutive_failures_and_backs_off_exponentially() -> None:
+    b = Breaker(BreakerSettings(consecutive_failures=3, base_ejection_s=10, max_ejection_s=25))
+    assert not b.failed(0) and not b.failed(1)
+    b.succeeded()  # a success in between resets the count
+    assert not b.failed(2) and not b.failed(3)
+    assert b.failed(4) and b.state(4) == OPEN and not b.allows(13.9)
+    assert b.state(14) == HALF_OPEN and b.allows(14)
+    b.started(14)
+    assert not b.allows(14)  # one probe at a time
+    assert b.failed(15)  # the probe failed: open again, for twice as long
+    assert b.state(34.9) == OPEN and b.state(35) == HALF_OPEN
+    b.started(35)
+    assert b.failed(35) and b.open_until == 60  # capped at max_ejection_s
+    b.started(60)
+    b.succeeded()
+    assert b.state(60) == CLOSED and b.ejections == 0 and b.ejected_total == 3
+
+
+def test_retry_after_holds_the_replica_off_without_counting_a_failure() -> None:
+    b = Breaker(BreakerSettings(consecutive_failures=1))
+    b.hold_off(100, 30)
+    assert b.state(129) == OPEN and b.allows(130) and b.failures == 0
+
+
+async def test_failing_replica_is_ejected_then_probed_back() -> None:
+    state = {"fail": True}
+    seen = Seen()
+
+    async def flaky(request: web.Request) -> web.Response:
+        await request.read()
+        seen.requests += 1
+        if state["fail"]:
+            return web.json_response({"error": {"message": "boom", "type": "x", "code": None}}, status=500)
+        return web.json_response({"object": "text_completion", "choices": [{"text": "ok"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", flaky)
+    async with AsyncExitStack() as stack:
+        bad = await stack.enter_async_context(serve_app(app))
+        good = await stack.enter_async_context(serve_app(make_stub_app("good")))
+        settings = make_settings(
+            [{"url": bad, "name": "bad", "model": "stub-model"}, {"url": good, "name": "good"}],
+            policy={"name": "round_robin"},
+            health={"eject_after_failures": 2, "ejection_base_s": 0.3},
+        )
+        running = await stack.enter_async_context(run_balancer(settings))
+        async with aiohttp.ClientSession() as http:
+
+            async def send() -> tuple[int, str]:
+                async with http.post(running.url + "/v1/completions",
+                                     json={"model": "stub-model", "prompt": "x"}) as resp:
+                    return resp.status, resp.headers["x-kvlb-replica"]
+
+            results = [await send() for _ in range(10)]
+            # A 500 passes through (not retried), but two in a row eject the replica.
+            assert results.count((500, "bad")) == 2
+            assert results[-1] == (200, "good")
+            assert seen.requests == 2
+            assert running.balancer.fleet.by_name["bad"].breaker.state(0) != CLOSED
+            await asyncio.sleep(0.35)
+            state["fail"] = False
+            results = [await send() for _ in range(4)]
+            assert (200, "bad") in results  # the probe went through and closed the breaker
+            assert running.balancer.fleet.by_name["bad"].breaker.ejections == 0
+
+
+async def test_429_with_retry_after_moves_on_and_keeps_away() -> None:
+    limited = Seen()
+    async with AsyncExitStack() as stack:
+        busy = await stack.enter_async_context(serve_app(status_app(limited, 429, retry_after="60")))
+        good = await stack.enter_async_context(serve_app(make_stub_app("good")))
+        settings = make_settings([{"url": busy, "name": "busy", "model": "stub-model"}, {"url": good, "name": "good"}],
+                                 policy={"name": "round_robin"})
+        running = await stack.enter_async_context(run_balancer(settings))
+        async with aiohttp.ClientSession() as http:
+            for _ in range(6):
+                async with http.post(running.url + "/v1/completions",
+                                     json={"model": "stub-model", "prompt": "x"}) as resp:
+                    assert resp.status == 200 and resp.headers["x-kvlb-replica"] == "good"
+        assert limited.requests == 1  # asked once, then left alone for its 60 s
