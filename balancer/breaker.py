@@ -49,10 +49,16 @@ class Breaker:
         state = self.state(now)
         return state == CLOSED or (state == HALF_OPEN and not self.probe_in_flight)
 
-    def started(self, now: float) -> None:
-        """A request is being sent; in half-open it is the one probe."""
+    def started(self, now: float) -> bool:
+        """A request is being sent; in half-open it is the one probe (returns True)."""
         if self.state(now) == HALF_OPEN:
             self.probe_in_flight = True
+            return True
+        return False
+
+    def abandoned(self) -> None:
+        """The probe ended with no verdict (its client left): let another one through."""
+        self.probe_in_flight = False
 
     def succeeded(self) -> None:
         self.failures = 0

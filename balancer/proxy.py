@@ -135,7 +135,7 @@ class Proxy:
             outcome.attempts.append(replica.name)
             replica.in_flight += 1
             breaker = replica.breaker
-            breaker.started(loop.time())
+            probe = breaker.started(loop.time())
             resp: UpstreamResponse | None = None
             answered = False
             if tracker is not None:
@@ -176,6 +176,8 @@ class Proxy:
                 if resp is not None:
                     resp.close()
                 replica.in_flight -= 1
+                if probe and breaker.probe_in_flight:
+                    breaker.abandoned()
                 if tracker is not None:
                     tracker.finish(routed, answered=answered)
         raise ClientError(

@@ -33,6 +33,14 @@ def test_opens_after_consecutive_failures_and_backs_off_exponentially() -> None:
     assert b.state(60) == CLOSED and b.ejections == 0 and b.ejected_total == 3
 
 
+def test_a_probe_without_verdict_lets_the_next_one_through() -> None:
+    b = Breaker(BreakerSettings(consecutive_failures=1, base_ejection_s=1))
+    b.failed(0)
+    assert b.started(1) and not b.allows(1)
+    b.abandoned()
+    assert b.allows(1)
+
+
 def test_retry_after_holds_the_replica_off_without_counting_a_failure() -> None:
     b = Breaker(BreakerSettings(consecutive_failures=1))
     b.hold_off(100, 30)
