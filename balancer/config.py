@@ -155,6 +155,8 @@ class Retries:
 class Limits:
     max_body_bytes: int = _checked(32 * 1024 * 1024, _at_least(1))
     max_in_flight: int = _checked(1024, _at_least(1))
+    max_queued: int = _checked(1024, _at_least(0))  # requests waiting for capacity; beyond: 429
+    queue_timeout_s: float = _checked(10.0, _positive)  # longest wait for capacity; then 429
     max_header_bytes: int = _checked(16384, _at_least(1024))
 
 

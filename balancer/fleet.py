@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -56,6 +57,9 @@ class Replica:
         return f"Replica({self.name!r}, in_flight={self.in_flight}, healthy={self.healthy})"
 
 
+FULL = "overloaded"  # the code of the refusal when every replica is at its max_concurrency
+
+
 @dataclass(frozen=True, slots=True)
 class FleetCounts:
     total: int
@@ -65,6 +69,8 @@ class FleetCounts:
 class Fleet:
     def __init__(self, replicas: Iterable[ReplicaSettings], breaker: BreakerSettings | None = None) -> None:
         self.replicas: tuple[Replica, ...] = tuple(Replica(s, breaker) for s in replicas)
+        # Requests waiting for a replica under its max_concurrency (see wait_for_room).
+        self._room_waiters: list[asyncio.Future[None]] = []
         self.by_name: dict[str, Replica] = {r.name: r for r in self.replicas}
 
     def candidates(
@@ -113,13 +119,32 @@ class Fleet:
         ready = [r for r in healthy if r.has_room()]
         if not ready:
             raise ClientError(
-                503,
+                429,
                 "every replica is at its max_concurrency; retry shortly",
-                "overloaded",
-                type_="service_unavailable",
+                FULL,
+                type_="rate_limit_error",
                 retry_after=1,
             )
         return ready
+
+    def released(self, replica: Replica) -> None:
+        """A request on `replica` ended: wake whoever waits for room (they re-check)."""
+        if self._room_waiters and replica.max_concurrency is not None:
+            waiters, self._room_waiters = self._room_waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    async def wait_for_room(self, timeout_s: float) -> None:
+        """Until some capped replica frees a slot (TimeoutError after `timeout_s`)."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._room_waiters.append(waiter)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await waiter
+        finally:
+            if not waiter.done():
+                waiter.cancel()
 
     def counts(self) -> FleetCounts:
         return FleetCounts(len(self.replicas), sum(1 for r in self.replicas if r.healthy))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import orjson
@@ -102,8 +102,14 @@ def _retry_after_seconds(value: str | None) -> float | None:
 
 class Proxy:
     def __init__(
-        self, settings: Settings, metrics: Metrics, pool: UpstreamPool, tracker: CacheTracker | None = None
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        pool: UpstreamPool,
+        tracker: CacheTracker | None = None,
+        fleet_released: Callable[[Replica], None] = lambda replica: None,
     ) -> None:
+        self.fleet_released = fleet_released
         self.settings = settings
         self.metrics = metrics
         self.pool = pool
@@ -176,6 +182,7 @@ class Proxy:
                 if resp is not None:
                     resp.close()
                 replica.in_flight -= 1
+                self.fleet_released(replica)
                 if probe and breaker.probe_in_flight:
                     breaker.abandoned()
                 if tracker is not None:

@@ -12,11 +12,12 @@ from collections.abc import Sequence
 import aiohttp
 import orjson
 
+from balancer.admission import Admission
 from balancer.breaker import BreakerSettings
 from balancer.config import Settings
 from balancer.discovery import ModelDiscovery
 from balancer.errors import JSON_HEADERS, ClientError
-from balancer.fleet import Fleet, Replica
+from balancer.fleet import FULL, Fleet, Replica
 from balancer.health import HealthChecker
 from balancer.http_server import Headers, HttpServer, Request, ServerLimits
 from balancer.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -61,14 +62,15 @@ class Balancer:
             settings.policy.name, settings.policy.params, settings.policy.seed
         )
         self.metrics = Metrics(self.fleet)
-        self.in_flight = 0
+        limits = settings.limits
+        self.admission = Admission(limits.max_in_flight, limits.max_queued, limits.queue_timeout_s)
         self.pool = UpstreamPool(connect_timeout_s=settings.timeouts.connect_s)
         # Prefix hashing and the index cost CPU on every request: only for policies that use them.
         self.tracker = CacheTracker(settings.routing, time.monotonic) if self.policy.needs_prompt else None
         if self.tracker is not None:
             for replica in self.fleet.replicas:
                 self.tracker.index.set_capacity(replica.name, replica.kv_capacity_tokens)
-        self.proxy = Proxy(settings, self.metrics, self.pool, self.tracker)
+        self.proxy = Proxy(settings, self.metrics, self.pool, self.tracker, self.fleet.released)
         routing = settings.routing
         self._region_header = routing.region_header
         self._allowed_header = routing.allowed_regions_header
@@ -86,6 +88,11 @@ class Balancer:
         self.draining = False
         self.access_log = settings.logging.access_log
         self._request_seq = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not finished (queued ones not included)."""
+        return self.admission.in_flight
 
     def _new_request_id(self) -> str:
         # A random per-process prefix and a counter: unique without a syscall per request.
@@ -161,9 +168,11 @@ class Balancer:
         id_header = self.settings.headers.request_id
         request_id = request.header(id_header) or self._new_request_id()
         outcome = Outcome()
-        self.in_flight += 1
+        admitted = False
         try:
             async with asyncio.timeout(self.settings.timeouts.total_s):
+                await self.admission.acquire()
+                admitted = True
                 await self._forward(request, route, request_id, outcome)
         except ClientError as exc:
             self._refuse(request, exc, request_id, outcome)
@@ -187,7 +196,8 @@ class Balancer:
             else:
                 self._refuse(request, ClientError(500, message, "internal_error"), request_id, outcome)
         finally:
-            self.in_flight -= 1
+            if admitted:
+                self.admission.release()
             elapsed = loop.time() - started
             self.metrics.observe_request(route, outcome.replica, outcome.status, elapsed)
             if self.access_log:
@@ -196,6 +206,22 @@ class Balancer:
                     request.remote, request.method, route, outcome.status, outcome.replica,
                     len(outcome.attempts), elapsed * 1000, request_id,
                 )
+
+    async def _candidates(self, model: str | None, allowed: frozenset[str] | None) -> list[Replica]:
+        """The replicas that may take the request now; when every one is at its
+        max_concurrency, wait (up to limits.queue_timeout_s) for one to free a slot."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.limits.queue_timeout_s
+        while True:
+            try:
+                return self.fleet.candidates(model, allowed, loop.time())
+            except ClientError as exc:
+                if exc.code != FULL or loop.time() >= deadline:
+                    raise
+            try:
+                await self.fleet.wait_for_room(deadline - loop.time())
+            except TimeoutError:
+                pass  # one last look, then the refusal from candidates()
 
     def _refuse(self, request: Request, exc: ClientError, request_id: str, outcome: Outcome) -> None:
         outcome.status = exc.status
@@ -209,15 +235,9 @@ class Balancer:
         features = parse_request(
             route, request.body, request.header(SESSION_HEADER), with_prompt=self.policy.needs_prompt
         )
-        if self.in_flight > self.settings.limits.max_in_flight:
-            raise ClientError(
-                503, "the balancer is at limits.max_in_flight; retry shortly", "overloaded", retry_after=1
-            )
         allowed = request.header(self._allowed_header)
-        candidates = self.fleet.candidates(
-            features.model,
-            allowed_regions(allowed) if allowed is not None else None,
-            asyncio.get_running_loop().time(),
+        candidates = await self._candidates(
+            features.model, allowed_regions(allowed) if allowed is not None else None
         )
         routed = None
         if self.tracker is not None and features.prompt is not None:
