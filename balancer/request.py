@@ -77,14 +77,19 @@ def canonical_prompt(route: str, data: Mapping[str, Any]) -> str | list[int]:
         parts: list[str] = []
         tools = data.get("tools")
         if tools:
-            parts.append("<|tools|>" + orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode())
+            try:
+                parts.append("<|tools|>" + orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode())
+            except orjson.JSONEncodeError:
+                parts.append("<|tools|>")  # nested past orjson's depth limit: the replica will refuse it
         for message in data.get("messages") or ():
             if isinstance(message, Mapping):
                 parts.append(f"<|{message.get('role', '')}|>{_text_of(message.get('content'))}")
         return "\n".join(parts)
     if route == "/generate":
         ids = data.get("input_ids")
-        if "text" not in data and isinstance(ids, list) and all(isinstance(i, int) for i in ids):
+        if "text" not in data and isinstance(ids, list) and all(
+            isinstance(i, int) and 0 <= i < 1 << 32 for i in ids
+        ):
             return ids  # hashed by token blocks, as the engine caches them
         return _text_of(data.get("text"))
     if route == "/v1/embeddings":
@@ -92,15 +97,24 @@ def canonical_prompt(route: str, data: Mapping[str, Any]) -> str | list[int]:
     return _text_of(data.get("prompt"))
 
 
-def _text_of(content: Any) -> str:
+# Prompts nest at most twice (a batch of token-id lists); deeper structures are not prompts
+# and are left for the replica to refuse, not walked (a deep one would exhaust the stack).
+MAX_PROMPT_NESTING = 4
+
+
+def _text_of(content: Any, depth: int = 0) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
+        if depth >= MAX_PROMPT_NESTING:
+            return ""
         # Content parts ({"type": "text", "text": ...}), batched prompts, or token ids.
         return "\n".join(
-            part.get("text", "") if isinstance(part, Mapping) else _text_of(part)
+            _text_of(part.get("text") if isinstance(part, Mapping) else part, depth + 1)
             for part in content
         )
+    if isinstance(content, Mapping):
+        return ""
     return str(content)
