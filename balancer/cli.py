@@ -70,7 +70,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(settings.logging.level, settings.logging.format)
     import uvloop
 
-    uvloop.run(_serve(settings))
+    try:
+        uvloop.run(_serve(settings))
+    except ConfigError as exc:  # found at start: key files, environment variables
+        for problem in exc.problems:
+            print(f"kvlb: {problem}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -207,6 +207,16 @@ class RoutingSettings:
     forget_unhealthy_after_s: float = _checked(30.0, _positive)
 
 
+@dataclass(frozen=True, slots=True)
+class AuthSettings:
+    """Client API keys. With none configured, kvlb is open (as a bare engine would be)."""
+
+    api_keys: tuple[str, ...] = ()
+    api_keys_file: str | None = _checked(None, _non_empty)  # one key a line; '#' comments
+    api_keys_env: str | None = _checked(None, _non_empty)  # variable holding comma-separated keys
+    replica_api_key_env: str | None = _checked(None, _non_empty)  # replaces the client's key toward replicas
+
+
 def _some_replicas_uniquely_named(replicas: tuple[ReplicaSettings, ...]) -> tuple[ReplicaSettings, ...]:
     if not replicas:
         raise ValueError("at least one replica is required")
@@ -254,6 +264,7 @@ class Settings:
     models: ModelDiscovery = _section(ModelDiscovery)
     headers: HeaderSettings = _section(HeaderSettings)
     routing: RoutingSettings = _section(RoutingSettings)
+    auth: AuthSettings = _section(AuthSettings)
     logging: LoggingSettings = _section(LoggingSettings)
 
 

@@ -108,8 +108,10 @@ class Proxy:
         pool: UpstreamPool,
         tracker: CacheTracker | None = None,
         fleet_released: Callable[[Replica], None] = lambda replica: None,
+        replica_authorization: str | None = None,
     ) -> None:
         self.fleet_released = fleet_released
+        self.replica_authorization = replica_authorization
         self.settings = settings
         self.metrics = metrics
         self.pool = pool
@@ -132,6 +134,10 @@ class Proxy:
         first_byte_s = self.settings.timeouts.first_byte_s
         tracker = self.tracker if routed is not None else None
         headers = upstream_headers(request, request_id, self.id_header)
+        if self.replica_authorization is not None:
+            # The replicas' own key replaces the client's, which then never leaves kvlb.
+            headers = [(n, v) for n, v in headers if n.lower() != "authorization"]
+            headers.append(("Authorization", self.replica_authorization))
         failures: list[str] = []
         loop = asyncio.get_running_loop()
         retry_after: float | None = None

@@ -13,6 +13,7 @@ import aiohttp
 import orjson
 
 from balancer.admission import Admission
+from balancer.auth import Authenticator, load_keys, replica_key
 from balancer.breaker import BreakerSettings
 from balancer.config import Settings
 from balancer.discovery import ModelDiscovery
@@ -62,6 +63,7 @@ class Balancer:
             settings.policy.name, settings.policy.params, settings.policy.seed
         )
         self.metrics = Metrics(self.fleet)
+        self.auth = Authenticator(load_keys(settings.auth))
         limits = settings.limits
         self.admission = Admission(limits.max_in_flight, limits.max_queued, limits.queue_timeout_s)
         self.pool = UpstreamPool(connect_timeout_s=settings.timeouts.connect_s)
@@ -70,7 +72,11 @@ class Balancer:
         if self.tracker is not None:
             for replica in self.fleet.replicas:
                 self.tracker.index.set_capacity(replica.name, replica.kv_capacity_tokens)
-        self.proxy = Proxy(settings, self.metrics, self.pool, self.tracker, self.fleet.released)
+        key = replica_key(settings.auth)
+        self.proxy = Proxy(
+            settings, self.metrics, self.pool, self.tracker, self.fleet.released,
+            replica_authorization=f"Bearer {key}" if key else None,
+        )
         routing = settings.routing
         self._region_header = routing.region_header
         self._allowed_header = routing.allowed_regions_header
@@ -232,6 +238,7 @@ class Balancer:
         request.respond(exc.status, headers, exc.body())
 
     async def _forward(self, request: Request, route: str, request_id: str, outcome: Outcome) -> None:
+        self.auth.check(request.header("authorization"))
         features = parse_request(
             route, request.body, request.header(SESSION_HEADER), with_prompt=self.policy.needs_prompt
         )
@@ -262,6 +269,11 @@ class Balancer:
     # local routes --------------------------------------------------------------------------
 
     def models(self, request: Request) -> None:
+        try:
+            self.auth.check(request.header("authorization"))
+        except ClientError as exc:
+            request.respond(exc.status, exc.headers(), exc.body())
+            return
         body = orjson.dumps({"object": "list", "data": self.fleet.model_cards()})
         request.respond(200, JSON_HEADERS, body)
 
