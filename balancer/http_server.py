@@ -294,6 +294,9 @@ class _Connection(asyncio.Protocol):
             self._process()
         except HttpError as exc:
             self._refuse(exc)
+        except Exception:  # a parsing bug must cost one connection an answer, not the answer
+            log.exception("could not read a request from %s", self.peer)
+            self._refuse(HttpError(400, "malformed request", "bad_request"))
 
     def _process(self) -> None:
         while self.handler_task is None and not self.closed:
@@ -312,6 +315,9 @@ class _Connection(asyncio.Protocol):
 
     def _read_head(self) -> bool:
         buf = self._buffer
+        # Stray CRLFs between requests are tolerated (RFC 9112 §2.2).
+        while buf[:2] == b"\r\n":
+            del buf[:2]
         end = buf.find(b"\r\n\r\n")
         if end < 0:
             if len(buf) > self.limits.max_header_bytes:
@@ -325,10 +331,6 @@ class _Connection(asyncio.Protocol):
                             "headers_too_large")
         head = bytes(buf[:end])
         del buf[: end + 4]
-        # Stray CRLFs between requests are tolerated (RFC 9112 §2.2).
-        head = head.lstrip(b"\r\n")
-        if not head:
-            return False
         request_line, _, block = head.partition(b"\r\n")
         match = _REQUEST_LINE.fullmatch(request_line)
         if match is None:
@@ -382,7 +384,7 @@ class _Connection(asyncio.Protocol):
             self._chunked = False
             if length_text is None:
                 self._body_left = 0
-            elif not length_text.isdigit() or len(length_text) > 15:
+            elif not (length_text.isascii() and length_text.isdigit()) or len(length_text) > 15:
                 raise HttpError(400, f"invalid Content-Length {length_text!r}", "bad_request")
             else:
                 self._body_left = int(length_text)

@@ -81,7 +81,8 @@ def canonical_prompt(route: str, data: Mapping[str, Any]) -> str | list[int]:
                 parts.append("<|tools|>" + orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode())
             except orjson.JSONEncodeError:
                 parts.append("<|tools|>")  # nested past orjson's depth limit: the replica will refuse it
-        for message in data.get("messages") or ():
+        messages = data.get("messages")
+        for message in messages if isinstance(messages, list) else ():
             if isinstance(message, Mapping):
                 parts.append(f"<|{message.get('role', '')}|>{_text_of(message.get('content'))}")
         return "\n".join(parts)

@@ -25,6 +25,11 @@ RESUME_BELOW_BYTES = 64 * 1024
 _NO_BODY_STATUSES = frozenset({204, 304})
 
 
+def _ascii_digits(text: str) -> bool:
+    # str.isdigit() also accepts '²' and other Unicode digits, which int() then rejects.
+    return text.isascii() and text.isdigit()
+
+
 class UpstreamError(ConnectionError):
     """The replica's connection failed or it sent something that is not HTTP/1.1."""
 
@@ -263,7 +268,7 @@ class _Connection(asyncio.Protocol):
     def _start_response(self, head: bytes) -> bool:
         status_line, _, block = head.decode("latin-1").partition("\r\n")
         parts = status_line.split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not _ascii_digits(parts[1]):
             raise UpstreamError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
         status = int(parts[1])
         if 100 <= status < 200:
@@ -280,7 +285,7 @@ class _Connection(asyncio.Protocol):
             headers.append((name, value))
             lower = name.lower()
             if lower == "content-length":
-                if not value.isdigit():
+                if not _ascii_digits(value):
                     raise UpstreamError(f"bad Content-Length: {value!r}")
                 content_length = int(value)
             elif lower == "transfer-encoding":

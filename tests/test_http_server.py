@@ -118,6 +118,14 @@ async def test_smuggling_shapes_are_refused_with_400() -> None:
             assert b'"code":"bad_request"' in raw
 
 
+async def test_unicode_digits_and_blank_lines_between_requests() -> None:
+    async with server() as (port, _):
+        raw = await exchange(port, "POST / HTTP/1.1\r\nContent-Length: ²\r\n\r\n".encode("latin-1"))
+        assert raw.startswith(b"HTTP/1.1 400 ")
+        raw = await exchange(port, b"\r\n\r\nGET /after-blank-lines HTTP/1.1\r\nConnection: close\r\n\r\n")
+        assert bodies(raw)[0]["target"] == "/after-blank-lines"
+
+
 async def test_limits_answer_413_431_and_501() -> None:
     async with server(max_header_bytes=1024, max_body_bytes=10) as (port, _):
         raw = await exchange(port, b"POST / HTTP/1.1\r\nContent-Length: 11\r\n\r\n")

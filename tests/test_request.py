@@ -20,6 +20,11 @@ def test_canonical_chat_prompt_is_stable_and_ordered() -> None:
     assert canonical_prompt("/v1/chat/completions", data) == '<|tools|>[{"a":2,"b":1}]\n<|system|>S\n<|user|>Q'
 
 
+def test_messages_of_the_wrong_type_give_an_empty_prompt() -> None:
+    assert canonical_prompt("/v1/chat/completions", {"messages": 5}) == ""
+    assert canonical_prompt("/v1/chat/completions", {"messages": {"role": "user"}}) == ""
+
+
 def test_generate_token_ids_are_hashed_as_ids_only_when_valid() -> None:
     assert canonical_prompt("/generate", {"input_ids": [1, 2, 3]}) == [1, 2, 3]
     assert isinstance(canonical_prompt("/generate", {"input_ids": [-1, 2]}), str)
