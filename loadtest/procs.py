@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import random
@@ -50,16 +51,25 @@ def start_process(argv: list[str], env: dict[str, str] | None = None, quiet: boo
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
-    if proc.poll() is None:
+    """SIGTERM, then SIGKILL after `grace_s`: to its whole session when it leads one (as
+    start_process makes it), else to the process alone."""
+    if proc.poll() is not None:
+        return
+
+    def signal_it(sig: int) -> None:
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            # Not a group leader: signal the process itself.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, sig)
+
+    signal_it(signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        signal_it(signal.SIGKILL)
+        proc.wait()
 
 
 async def wait_for_http(url: str, timeout_s: float = 20.0) -> None:

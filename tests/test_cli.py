@@ -90,7 +90,8 @@ async def test_access_log_lines_name_route_status_and_replica(tmp_path: Path) ->
                           "logging: {access_log: true, format: json}\n")
         log_file = tmp_path / "kvlb.log"
         with open(log_file, "w") as sink:
-            proc = subprocess.Popen(KVLB + ["serve", "--config", str(config)], stderr=sink, stdout=sink)
+            proc = subprocess.Popen(KVLB + ["serve", "--config", str(config)], stderr=sink, stdout=sink,
+                                    start_new_session=True)
             try:
                 url = f"http://127.0.0.1:{port}"
                 await wait_for_http(url + "/ready")
@@ -126,3 +127,9 @@ async def test_sigterm_lets_streams_in_flight_finish_then_exits_0() -> None:
             assert proc.wait(10) == 0
         finally:
             stop_process(proc)
+
+
+def test_stop_process_stops_a_child_without_its_own_session() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stop_process(proc, grace_s=2)
+    assert proc.poll() is not None
