@@ -217,6 +217,13 @@ class AuthSettings:
     replica_api_key_env: str | None = _checked(None, _non_empty)  # replaces the client's key toward replicas
 
 
+@dataclass(frozen=True, slots=True)
+class AdminSettings:
+    """The admin API under /admin/: off unless a token is configured."""
+
+    token_env: str | None = _checked(None, _non_empty)  # variable holding the admin bearer token
+
+
 def _some_replicas_uniquely_named(replicas: tuple[ReplicaSettings, ...]) -> tuple[ReplicaSettings, ...]:
     if not replicas:
         raise ValueError("at least one replica is required")
@@ -265,6 +272,7 @@ class Settings:
     headers: HeaderSettings = _section(HeaderSettings)
     routing: RoutingSettings = _section(RoutingSettings)
     auth: AuthSettings = _section(AuthSettings)
+    admin: AdminSettings = _section(AdminSettings)
     logging: LoggingSettings = _section(LoggingSettings)
 
 

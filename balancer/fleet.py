@@ -19,10 +19,11 @@ class Replica:
     __slots__ = (
         "name", "url", "weight", "labels", "max_concurrency", "kv_capacity_tokens",
         "declared_model", "in_flight", "healthy", "discovered_models", "model_cards",
-        "prefill_tokens_queued", "decoding", "breaker",
+        "prefill_tokens_queued", "decoding", "breaker", "draining", "settings",
     )
 
     def __init__(self, settings: ReplicaSettings, breaker: BreakerSettings | None = None) -> None:
+        self.settings = settings
         self.name: str = settings.name or settings.url
         self.url: str = settings.url
         self.weight: float = settings.weight
@@ -34,6 +35,8 @@ class Replica:
         self.prefill_tokens_queued = 0
         self.decoding = 0
         self.breaker = Breaker(breaker or BreakerSettings())
+        # Draining: no new requests; those in flight finish (admin API).
+        self.draining = False
         # Optimistic until the first health check says otherwise, so a fresh balancer serves at once.
         self.healthy = True
         # None until the replica has answered /v1/models once.
@@ -51,7 +54,7 @@ class Replica:
         )
 
     def has_room(self) -> bool:
-        return self.max_concurrency is None or self.in_flight < self.max_concurrency
+        return not self.draining and (self.max_concurrency is None or self.in_flight < self.max_concurrency)
 
     def __repr__(self) -> str:
         return f"Replica({self.name!r}, in_flight={self.in_flight}, healthy={self.healthy})"
@@ -68,6 +71,7 @@ class FleetCounts:
 
 class Fleet:
     def __init__(self, replicas: Iterable[ReplicaSettings], breaker: BreakerSettings | None = None) -> None:
+        self.breaker_settings = breaker
         self.replicas: tuple[Replica, ...] = tuple(Replica(s, breaker) for s in replicas)
         # Requests waiting for a replica under its max_concurrency (see wait_for_room).
         self._room_waiters: list[asyncio.Future[None]] = []
@@ -107,7 +111,7 @@ class Fleet:
                 "model_not_found",
                 param="model",
             )
-        healthy = [r for r in serving if r.healthy and r.breaker.allows(now)]
+        healthy = [r for r in serving if r.healthy and not r.draining and r.breaker.allows(now)]
         if not healthy:
             raise ClientError(
                 503,
@@ -126,6 +130,22 @@ class Fleet:
                 retry_after=1,
             )
         return ready
+
+    def add(self, settings: ReplicaSettings) -> Replica:
+        """A new replica, routable at once (requests in flight keep the old tuple)."""
+        if settings.name in self.by_name:
+            raise ValueError(f"a replica named {settings.name!r} exists already")
+        replica = Replica(settings, self.breaker_settings)
+        self.replicas = (*self.replicas, replica)
+        self.by_name[replica.name] = replica
+        return replica
+
+    def remove(self, name: str) -> Replica:
+        """Out of the fleet at once; requests in flight on it finish on their own."""
+        replica = self.by_name.pop(name)
+        self.replicas = tuple(r for r in self.replicas if r is not replica)
+        replica.draining = True
+        return replica
 
     def released(self, replica: Replica) -> None:
         """A request on `replica` ended: wake whoever waits for room (they re-check)."""

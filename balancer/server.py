@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import aiohttp
 import orjson
 
+from balancer.admin import PREFIX as ADMIN_PREFIX
+from balancer.admin import AdminApi
 from balancer.admission import Admission
 from balancer.auth import Authenticator, load_keys, replica_key
 from balancer.breaker import BreakerSettings
@@ -83,6 +85,8 @@ class Balancer:
         self._route_header = routing.route_header
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._discovery: ModelDiscovery | None = None
+        self.admin = AdminApi(self)
         self._get_routes = {
             "/v1/models": self.models,
             "/health": self.health,
@@ -111,7 +115,7 @@ class Balancer:
         # Health checks and model discovery are rare and use aiohttp's client; forwarding, the
         # hot path, uses the lean pool.
         self.session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
-        discovery = ModelDiscovery(
+        discovery = self._discovery = ModelDiscovery(
             self.fleet, self.settings.models, self.session,
             on_capacity=self._capacity_reported if self.tracker is not None else None,
         )
@@ -129,6 +133,11 @@ class Balancer:
         self.pool.close()
         if self.session is not None:
             await self.session.close()
+
+    async def discover(self, replica: Replica) -> None:
+        """Learn a replica's models (and KV capacity) now rather than at the next refresh."""
+        if self._discovery is not None:
+            await self._discovery.refresh_replica(replica)
 
     def _capacity_reported(self, replica: Replica, tokens: int) -> None:
         if self.tracker is not None and replica.kv_capacity_tokens is None:
@@ -152,6 +161,9 @@ class Balancer:
         path = request.path
         if request.method == "POST" and path in self._post_routes:
             await self.forward(request, path)
+            return
+        if path.startswith(ADMIN_PREFIX) and self.admin.enabled:
+            self.admin.handle(request)
             return
         local = self._get_routes.get(path)
         if local is not None and request.method in ("GET", "HEAD"):

@@ -1,0 +1,70 @@
+"""The admin API: operators see the fleet, add replicas, drain and remove them, with a token."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+
+import aiohttp
+import pytest
+
+from loadtest.stub_replica import make_stub_app
+from tests.conftest import make_settings, run_balancer, serve_app
+
+TOKEN = "admin-secret"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+BODY = {"model": "stub-model", "prompt": "x"}
+
+
+async def served_by(http: aiohttp.ClientSession, url: str, n: int) -> set[str]:
+    names = set()
+    for _ in range(n):
+        async with http.post(url + "/v1/completions", json=BODY) as resp:
+            assert resp.status == 200
+            names.add(resp.headers["x-kvlb-replica"])
+    return names
+
+
+async def test_list_add_drain_remove(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVLB_ADMIN_TOKEN", TOKEN)
+    async with AsyncExitStack() as stack:
+        a = await stack.enter_async_context(serve_app(make_stub_app("a")))
+        b = await stack.enter_async_context(serve_app(make_stub_app("b")))
+        settings = make_settings([{"url": a, "name": "a"}], policy={"name": "round_robin"},
+                                 admin={"token_env": "KVLB_ADMIN_TOKEN"})
+        running = await stack.enter_async_context(run_balancer(settings))
+        url = running.url
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "/admin/replicas", headers=ADMIN) as resp:
+                listed = (await resp.json())["replicas"]
+                assert [r["name"] for r in listed] == ["a"]
+                assert listed[0]["healthy"] and listed[0]["breaker"] == "closed"
+            async with http.post(url + "/admin/replicas", headers=ADMIN, json={"url": b, "name": "b"}) as resp:
+                assert resp.status == 201
+            assert await served_by(http, url, 4) == {"a", "b"}
+            async with http.post(url + "/admin/replicas", headers=ADMIN, json={"url": "ftp://x", "name": "c"}) as resp:
+                assert resp.status == 400 and "not an http(s) URL" in (await resp.json())["error"]["message"]
+            async with http.post(url + "/admin/replicas", headers=ADMIN, json={"url": b, "name": "b"}) as resp:
+                assert resp.status == 409
+            async with http.post(url + "/admin/replicas/a/drain", headers=ADMIN) as resp:
+                assert (await resp.json())["draining"] is True
+            assert await served_by(http, url, 4) == {"b"}
+            async with http.post(url + "/admin/replicas/a/undrain", headers=ADMIN) as resp:
+                assert resp.status == 200
+            async with http.delete(url + "/admin/replicas/b", headers=ADMIN) as resp:
+                assert (await resp.json())["removed"] == "b"
+            assert await served_by(http, url, 3) == {"a"}
+            async with http.get(url + "/admin/replicas/b", headers=ADMIN) as resp:
+                assert resp.status == 404
+            async with http.get(url + "/admin/replicas", headers={"Authorization": "Bearer wrong"}) as resp:
+                assert resp.status == 401
+            async with http.get(url + "/admin/replicas") as resp:
+                assert resp.status == 401
+
+
+async def test_admin_api_is_off_without_a_token() -> None:
+    async with AsyncExitStack() as stack:
+        a = await stack.enter_async_context(serve_app(make_stub_app("a")))
+        running = await stack.enter_async_context(run_balancer(make_settings([a])))
+        async with aiohttp.ClientSession() as http:
+            async with http.get(running.url + "/admin/replicas") as resp:
+                assert resp.status == 404
