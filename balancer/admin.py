@@ -18,6 +18,7 @@ from balancer.config import ConfigError, parse_settings
 from balancer.errors import JSON_HEADERS, ClientError
 from balancer.fleet import Replica
 from balancer.http_server import Request
+from balancer.reload import reload_file
 from balancer.request import parse_json_object
 
 if TYPE_CHECKING:
@@ -57,6 +58,8 @@ class AdminApi:
     def _route(self, request: Request) -> tuple[int, Any]:
         parts = request.path[len(PREFIX):].strip("/").split("/")
         method = request.method
+        if parts == ["reload"] and method == "POST":
+            return 200, self._reload()
         if parts == ["replicas"]:
             if method == "GET":
                 return 200, {"replicas": [self._state(r) for r in self.balancer.fleet.replicas]}
@@ -79,6 +82,16 @@ class AdminApi:
         else:
             raise ClientError(404, f"Invalid URL ({method} {request.path})", "unknown_url")
         raise ClientError(405, f"method {method} is not allowed on {request.path}", "method_not_allowed")
+
+    def _reload(self) -> dict[str, Any]:
+        path = self.balancer.config_path
+        if path is None:
+            raise ClientError(409, "started without --config: there is no file to reload", "no_config_file")
+        try:
+            return reload_file(self.balancer, path)
+        except ConfigError as exc:
+            raise ClientError(400, "reload rejected, the running configuration stays: "
+                              + "; ".join(exc.problems), "invalid_config") from None
 
     def _replica(self, name: str) -> Replica:
         replica = self.balancer.fleet.by_name.get(name)

@@ -41,10 +41,12 @@ def _serve_settings(args: argparse.Namespace) -> Settings:
     )
 
 
-async def _serve(settings: Settings) -> None:
+async def _serve(settings: Settings, config_path: str | None) -> None:
+    from balancer.reload import reload_file
     from balancer.server import start_balancer
 
     running = await start_balancer(settings)
+    running.balancer.config_path = config_path
     log.info(
         "kvlb listening on http://%s:%d with %d replica(s), policy %s",
         settings.listen.host, running.port, len(settings.replicas), settings.policy.name,
@@ -53,6 +55,17 @@ async def _serve(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+
+    def on_sighup() -> None:
+        if config_path is None:
+            log.warning("SIGHUP ignored: started without --config, so there is no file to reload")
+            return
+        try:
+            reload_file(running.balancer, config_path)
+        except ConfigError as exc:
+            log.error("reload rejected, the running configuration stays:\n%s", exc)
+
+    loop.add_signal_handler(signal.SIGHUP, on_sighup)
     try:
         await stop.wait()
     finally:
@@ -71,7 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvloop
 
     try:
-        uvloop.run(_serve(settings))
+        uvloop.run(_serve(settings, args.config))
     except ConfigError as exc:  # found at start: key files, environment variables
         for problem in exc.problems:
             print(f"kvlb: {problem}", file=sys.stderr)

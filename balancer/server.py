@@ -87,6 +87,7 @@ class Balancer:
         self._tasks: list[asyncio.Task[None]] = []
         self._discovery: ModelDiscovery | None = None
         self.admin = AdminApi(self)
+        self.config_path: str | None = None  # the file `kvlb serve --config` read, for reloads
         self._get_routes = {
             "/v1/models": self.models,
             "/health": self.health,

@@ -68,3 +68,27 @@ async def test_admin_api_is_off_without_a_token() -> None:
         async with aiohttp.ClientSession() as http:
             async with http.get(running.url + "/admin/replicas") as resp:
                 assert resp.status == 404
+
+
+async def test_reload_through_the_admin_api(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("KVLB_ADMIN_TOKEN", TOKEN)
+    async with AsyncExitStack() as stack:
+        a = await stack.enter_async_context(serve_app(make_stub_app("a")))
+        b = await stack.enter_async_context(serve_app(make_stub_app("b")))
+        settings = make_settings([{"url": a, "name": "a"}], admin={"token_env": "KVLB_ADMIN_TOKEN"})
+        running = await stack.enter_async_context(run_balancer(settings))
+        config = tmp_path / "kvlb.yaml"
+        running.balancer.config_path = str(config)
+        async with aiohttp.ClientSession() as http:
+            config.write_text("replicas: [{url: 'ftp://nope'}]\n")
+            async with http.post(running.url + "/admin/reload", headers=ADMIN) as resp:
+                assert resp.status == 400
+                assert "replicas[0].url" in (await resp.json())["error"]["message"]
+            config.write_text(f"replicas: [{{url: '{b}', name: b}}]\npolicy: {{name: round_robin}}\n"
+                              "admin: {token_env: KVLB_ADMIN_TOKEN}\ntimeouts: {total_s: 300}\n")
+            async with http.post(running.url + "/admin/reload", headers=ADMIN) as resp:
+                result = await resp.json()
+                assert resp.status == 200, result
+            assert result["added"] == ["b"] and result["removed"] == ["a"] and result["policy_changed"]
+            assert "timeouts" in result["restart_needed"]
+            assert await served_by(http, running.url, 3) == {"b"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -133,3 +134,42 @@ def test_stop_process_stops_a_child_without_its_own_session() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     stop_process(proc, grace_s=2)
     assert proc.poll() is not None
+
+
+async def test_sighup_applies_a_good_file_and_keeps_running_on_a_bad_one(tmp_path: Path) -> None:
+    async with AsyncExitStack() as stack:
+        a = await stack.enter_async_context(serve_app(make_stub_app("a")))
+        b = await stack.enter_async_context(serve_app(make_stub_app("b")))
+        port = free_port()
+        config = tmp_path / "kvlb.yaml"
+        head = f"listen: {{port: {port}}}\npolicy: {{name: round_robin}}\nreplicas:\n"
+        config.write_text(head + f"  - {{url: '{a}', name: a}}\n")
+        proc = start_process(KVLB + ["serve", "--config", str(config)], quiet=False)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            await wait_for_http(url + "/ready")
+
+            async def served() -> set[str]:
+                names = set()
+                async with aiohttp.ClientSession() as http:
+                    for _ in range(4):
+                        async with http.post(url + "/v1/completions", json={"model": "stub-model", "prompt": "x"}) as r:
+                            assert r.status == 200
+                            names.add(r.headers["x-kvlb-replica"])
+                return names
+
+            assert await served() == {"a"}
+            config.write_text(head + f"  - {{url: '{a}', name: a}}\n  - {{url: '{b}', name: b}}\n")
+            proc.send_signal(signal.SIGHUP)
+            for _ in range(50):
+                if await served() == {"a", "b"}:
+                    break
+                await asyncio.sleep(0.1)
+            assert await served() == {"a", "b"}
+            config.write_text(head + "  - {url: 'not a url'}\n")
+            proc.send_signal(signal.SIGHUP)
+            await asyncio.sleep(0.3)
+            assert await served() == {"a", "b"}  # the bad file changed nothing
+            assert proc.poll() is None
+        finally:
+            stop_process(proc)

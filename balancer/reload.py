@@ -1,0 +1,67 @@
+"""Hot reload: apply a new, already validated configuration without dropping requests.
+
+What changes live: the replica set (added, removed, or replaced when their settings changed;
+requests in flight finish on the replica they started on) and the policy. Everything else
+(listen address, timeouts, limits, routing, auth, logging) is kept as it was and reported
+as needing a restart, so an operator is never surprised by a setting that silently did not
+take.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+from balancer.config import ConfigError, Settings, load_settings
+from policies.registry import make_policy
+
+if TYPE_CHECKING:
+    from balancer.server import Balancer
+
+log = logging.getLogger("kvlb.reload")
+LIVE_SECTIONS = ("replicas", "policy")
+
+
+def reload_file(balancer: Balancer, path: str) -> dict[str, Any]:
+    """Validate `path`, then apply it. An invalid file changes nothing and raises ConfigError."""
+    return apply_settings(balancer, load_settings(path))
+
+
+def apply_settings(balancer: Balancer, new: Settings) -> dict[str, Any]:
+    old = balancer.settings
+    new_policy = make_policy(new.policy.name, new.policy.params, new.policy.seed)
+    if new_policy.needs_prompt != balancer.policy.needs_prompt:
+        raise ConfigError(["policy.name: switching to or from a cache-aware policy needs a restart"])
+    fleet, tracker = balancer.fleet, balancer.tracker
+    wanted = {r.name: r for r in new.replicas}
+    added, removed, replaced = [], [], []
+    for replica in list(fleet.replicas):
+        target = wanted.get(replica.name)
+        if target == replica.settings:
+            continue
+        fleet.remove(replica.name)
+        if tracker is not None:
+            tracker.forget(replica.name)
+        (replaced if target is not None else removed).append(replica.name)
+    for name, settings in wanted.items():
+        if name not in fleet.by_name:
+            replica = fleet.add(settings)
+            if tracker is not None:
+                tracker.index.set_capacity(name, replica.kv_capacity_tokens)
+            if name not in replaced:
+                added.append(name)
+    policy_changed = new.policy != old.policy
+    if policy_changed:
+        balancer.policy = new_policy
+    restart_needed = [
+        f.name for f in dataclasses.fields(Settings)
+        if f.name not in LIVE_SECTIONS and getattr(new, f.name) != getattr(old, f.name)
+    ]
+    balancer.settings = dataclasses.replace(old, replicas=new.replicas, policy=new.policy)
+    result = {"added": added, "removed": removed, "replaced": replaced,
+              "policy_changed": policy_changed, "restart_needed": restart_needed}
+    log.info("configuration reloaded: %s", result)
+    if restart_needed:
+        log.warning("changed sections that take effect only after a restart: %s", ", ".join(restart_needed))
+    return result
