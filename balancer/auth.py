@@ -9,6 +9,7 @@ or a metric label.
 from __future__ import annotations
 
 import hmac
+import math
 import os
 from pathlib import Path
 
@@ -43,15 +44,38 @@ def replica_key(settings: AuthSettings) -> str | None:
     return value
 
 
+class TokenBucket:
+    """`rate` requests a second on average, up to `burst` at once."""
+
+    __slots__ = ("rate", "burst", "tokens", "updated")
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate, self.burst, self.tokens, self.updated = rate, burst, burst, now
+
+    def take(self, now: float) -> float:
+        """0 when a request may go now, else the seconds until one may."""
+        self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return 0.0
+        return (1 - self.tokens) / self.rate
+
+
 class Authenticator:
-    def __init__(self, keys: tuple[bytes, ...]) -> None:
+    def __init__(self, keys: tuple[bytes, ...], rate_per_s: float | None = None, burst: int | None = None) -> None:
         self.keys = keys
+        self.rate_per_s = rate_per_s
+        self.burst = burst if burst is not None else max(1.0, rate_per_s or 1.0)
+        # One bucket per configured key: bounded by the configuration, not by traffic.
+        self._buckets: dict[int, TokenBucket] = {}
 
     @property
     def enabled(self) -> bool:
         return bool(self.keys)
 
-    def check(self, authorization: str | None) -> None:
+    def check(self, authorization: str | None, now: float = 0.0) -> None:
+        """Raise 401 for a missing or wrong key, 429 for a key over its rate."""
         if not self.keys:
             return
         if not authorization or not authorization.lower().startswith(BEARER):
@@ -59,8 +83,19 @@ class Authenticator:
                 401, "You didn't provide an API key: send Authorization: Bearer YOUR_KEY", "missing_api_key"
             )
         presented = authorization[len(BEARER):].strip().encode()
-        match = False
-        for key in self.keys:  # no early exit: every key costs the same time
-            match |= hmac.compare_digest(presented, key)
-        if not match:
+        matched = -1
+        for index, key in enumerate(self.keys):  # no early exit: every key costs the same time
+            if hmac.compare_digest(presented, key):
+                matched = index
+        if matched < 0:
             raise ClientError(401, "Incorrect API key provided", "invalid_api_key")
+        if self.rate_per_s is not None:
+            bucket = self._buckets.get(matched)
+            if bucket is None:
+                bucket = self._buckets[matched] = TokenBucket(self.rate_per_s, self.burst, now)
+            wait = bucket.take(now)
+            if wait > 0:
+                raise ClientError(
+                    429, "Rate limit reached for this API key; retry after the time in Retry-After",
+                    "rate_limit_exceeded", type_="rate_limit_error", retry_after=max(1, math.ceil(wait)),
+                )

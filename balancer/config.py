@@ -215,6 +215,8 @@ class AuthSettings:
     api_keys_file: str | None = _checked(None, _non_empty)  # one key a line; '#' comments
     api_keys_env: str | None = _checked(None, _non_empty)  # variable holding comma-separated keys
     replica_api_key_env: str | None = _checked(None, _non_empty)  # replaces the client's key toward replicas
+    rate_limit_per_s: float | None = _checked(None, _positive)  # requests per second per key (token bucket)
+    rate_limit_burst: int | None = _checked(None, _at_least(1))  # bucket size; default: one second's worth
 
 
 @dataclass(frozen=True, slots=True)

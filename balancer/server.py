@@ -65,7 +65,9 @@ class Balancer:
             settings.policy.name, settings.policy.params, settings.policy.seed
         )
         self.metrics = Metrics(self.fleet)
-        self.auth = Authenticator(load_keys(settings.auth))
+        self.auth = Authenticator(
+            load_keys(settings.auth), settings.auth.rate_limit_per_s, settings.auth.rate_limit_burst
+        )
         limits = settings.limits
         self.admission = Admission(limits.max_in_flight, limits.max_queued, limits.queue_timeout_s)
         self.pool = UpstreamPool(connect_timeout_s=settings.timeouts.connect_s)
@@ -251,7 +253,7 @@ class Balancer:
         request.respond(exc.status, headers, exc.body())
 
     async def _forward(self, request: Request, route: str, request_id: str, outcome: Outcome) -> None:
-        self.auth.check(request.header("authorization"))
+        self.auth.check(request.header("authorization"), asyncio.get_running_loop().time())
         features = parse_request(
             route, request.body, request.header(SESSION_HEADER), with_prompt=self.policy.needs_prompt
         )

@@ -12,6 +12,7 @@ import aiohttp
 import openai
 import pytest
 
+from balancer.auth import TokenBucket
 from loadtest.stub_replica import make_stub_app
 from tests.conftest import make_settings, run_balancer, serve_app
 from tests.upstreams import Seen, echo_app
@@ -86,3 +87,31 @@ async def test_keys_never_reach_logs(caplog: pytest.LogCaptureFixture) -> None:
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "kvlb.access" in {r.name for r in caplog.records}
     assert "sk-secret-123" not in text and "sk-guess-456" not in text
+
+
+def test_token_bucket_rate_and_burst() -> None:
+    bucket = TokenBucket(rate=2.0, burst=3, now=0.0)
+    assert [bucket.take(0.0) for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert bucket.take(0.0) == 0.5  # empty: one more token in half a second
+    assert bucket.take(0.5) == 0.0
+    assert bucket.take(10.0) == 0.0 and bucket.tokens == 2  # refills up to the burst only
+
+
+async def test_a_key_over_its_rate_gets_429_others_do_not() -> None:
+    async with AsyncExitStack() as stack:
+        replica = await stack.enter_async_context(serve_app(make_stub_app("a")))
+        settings = make_settings([replica], auth={"api_keys": ["sk-1", "sk-2"], "rate_limit_per_s": 0.5,
+                                                  "rate_limit_burst": 2})
+        running = await stack.enter_async_context(run_balancer(settings))
+        async with aiohttp.ClientSession() as http:
+
+            async def send(key: str) -> aiohttp.ClientResponse:
+                async with http.post(running.url + "/v1/completions", json={"model": "stub-model", "prompt": "x"},
+                                     headers={"Authorization": f"Bearer {key}"}) as resp:
+                    await resp.read()
+                    return resp
+
+            assert [(await send("sk-1")).status for _ in range(2)] == [200, 200]
+            limited = await send("sk-1")
+            assert limited.status == 429 and int(limited.headers["Retry-After"]) >= 1
+            assert (await send("sk-2")).status == 200
