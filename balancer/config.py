@@ -224,6 +224,9 @@ class AdminSettings:
     """The admin API under /admin/: off unless a token is configured."""
 
     token_env: str | None = _checked(None, _non_empty)  # variable holding the admin bearer token
+    # Serve the admin API on its own address only (e.g. 127.0.0.1, away from clients).
+    listen_host: str | None = _checked(None, _non_empty)
+    listen_port: int | None = _checked(None, _port)
 
 
 def _some_replicas_uniquely_named(replicas: tuple[ReplicaSettings, ...]) -> tuple[ReplicaSettings, ...]:

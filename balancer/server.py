@@ -165,7 +165,7 @@ class Balancer:
         if request.method == "POST" and path in self._post_routes:
             await self.forward(request, path)
             return
-        if path.startswith(ADMIN_PREFIX) and self.admin.enabled:
+        if path.startswith(ADMIN_PREFIX) and self.admin.enabled and self.settings.admin.listen_port is None:
             self.admin.handle(request)
             return
         local = self._get_routes.get(path)
@@ -180,6 +180,14 @@ class Balancer:
         )
         request.respond(exc.status, exc.headers(), exc.body())
         self.metrics.observe_request(OTHER_ROUTE, NO_REPLICA, exc.status, 0.0)
+
+    async def handle_admin_listener(self, request: Request) -> None:
+        """The separate admin address answers the admin API and nothing else."""
+        if request.path.startswith(ADMIN_PREFIX):
+            self.admin.handle(request)
+        else:
+            exc = ClientError(404, f"Invalid URL ({request.method} {request.path})", "unknown_url")
+            request.respond(exc.status, exc.headers(), exc.body())
 
     # forwarded routes ----------------------------------------------------------------------
 
@@ -329,10 +337,13 @@ def explain(ranking: Sequence[Choice]) -> str:
 class RunningBalancer:
     """A started balancer: its port, its state, and how to stop it."""
 
-    def __init__(self, balancer: Balancer, server: HttpServer, port: int) -> None:
+    def __init__(self, balancer: Balancer, server: HttpServer, port: int,
+                 admin_server: HttpServer | None = None, admin_port: int | None = None) -> None:
         self.balancer = balancer
         self.server = server
         self.port = port
+        self.admin_server = admin_server
+        self.admin_port = admin_port
 
     async def close(self, grace_s: float | None = None) -> None:
         """Stop accepting, let requests in flight finish (within `timeouts.drain_s` unless
@@ -340,6 +351,8 @@ class RunningBalancer:
         balancer in front stops sending here."""
         self.balancer.draining = True
         await self.server.close(self.balancer.settings.timeouts.drain_s if grace_s is None else grace_s)
+        if self.admin_server is not None:
+            await self.admin_server.close(1.0)
         await self.balancer.stop()
 
 
@@ -353,12 +366,21 @@ async def start_balancer(
         max_body_bytes=settings.limits.max_body_bytes,
         body_timeout_s=settings.timeouts.first_byte_s,
     )
-    server = HttpServer(balancer.handle, make_error_answer(settings.headers.request_id), limits)
+    error_answer = make_error_answer(settings.headers.request_id)
+    server = HttpServer(balancer.handle, error_answer, limits)
+    admin = settings.admin
+    admin_server = None
+    if admin.listen_port is not None and balancer.admin.enabled:
+        admin_server = HttpServer(balancer.handle_admin_listener, error_answer, limits)
     await balancer.start()
     try:
         bound = await server.listen(settings.listen.host, settings.listen.port if port is None else port)
+        admin_port = None
+        if admin_server is not None:
+            admin_port = await admin_server.listen(admin.listen_host or settings.listen.host, admin.listen_port)
     except BaseException:
+        await server.close(0)
         await balancer.stop()
         raise
-    return RunningBalancer(balancer, server, bound)
+    return RunningBalancer(balancer, server, bound, admin_server, admin_port)
 

@@ -7,6 +7,8 @@ from contextlib import AsyncExitStack
 import aiohttp
 import pytest
 
+from balancer.server import start_balancer
+from loadtest.procs import free_port
 from loadtest.stub_replica import make_stub_app
 from tests.conftest import make_settings, run_balancer, serve_app
 
@@ -92,3 +94,23 @@ async def test_reload_through_the_admin_api(monkeypatch: pytest.MonkeyPatch, tmp
             assert result["added"] == ["b"] and result["removed"] == ["a"] and result["policy_changed"]
             assert "timeouts" in result["restart_needed"]
             assert await served_by(http, running.url, 3) == {"b"}
+
+
+async def test_admin_api_on_its_own_address_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVLB_ADMIN_TOKEN", TOKEN)
+    async with serve_app(make_stub_app("a")) as a:
+        admin_port = free_port()
+        settings = make_settings([{"url": a, "name": "a"}],
+                                 admin={"token_env": "KVLB_ADMIN_TOKEN", "listen_host": "127.0.0.1",
+                                        "listen_port": admin_port})
+        running = await start_balancer(settings, port=free_port())
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"http://127.0.0.1:{running.port}/admin/replicas", headers=ADMIN) as resp:
+                    assert resp.status == 404  # not on the client port
+                async with http.get(f"http://127.0.0.1:{admin_port}/admin/replicas", headers=ADMIN) as resp:
+                    assert resp.status == 200
+                async with http.post(f"http://127.0.0.1:{admin_port}/v1/completions", json=BODY) as resp:
+                    assert resp.status == 404  # and the admin port proxies nothing
+        finally:
+            await running.close(grace_s=0.5)
