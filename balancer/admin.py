@@ -70,9 +70,7 @@ class AdminApi:
             if method == "GET":
                 return 200, self._state(replica)
             if method == "DELETE":
-                self.balancer.fleet.remove(replica.name)
-                if self.balancer.tracker is not None:
-                    self.balancer.tracker.forget(replica.name)
+                self.balancer.left(self.balancer.fleet.remove(replica.name))
                 return 200, {"removed": replica.name, "in_flight": replica.in_flight}
         elif len(parts) == 3 and parts[0] == "replicas" and parts[2] in ("drain", "undrain"):
             replica = self._replica(parts[1])
@@ -110,9 +108,7 @@ class AdminApi:
             replica = self.balancer.fleet.add(settings)
         except ValueError as exc:
             raise ClientError(409, str(exc), "replica_exists") from None
-        if self.balancer.tracker is not None and replica.kv_capacity_tokens:
-            self.balancer.tracker.index.set_capacity(replica.name, replica.kv_capacity_tokens)
-        asyncio.get_running_loop().create_task(self.balancer.discover(replica))
+        self.balancer.joined(replica)
         return self._state(replica)
 
     def _state(self, replica: Replica) -> dict[str, Any]:

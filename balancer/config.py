@@ -229,9 +229,23 @@ class AdminSettings:
     listen_port: int | None = _checked(None, _port)
 
 
+@dataclass(frozen=True, slots=True)
+class ReplicaSetSettings:
+    """Replicas found by resolving a host name (a Kubernetes headless service, say): each
+    address it resolves to is a replica, joining and leaving as the answers change."""
+
+    host: str = _checked(check=_non_empty)
+    port: int = _checked(check=_port)
+    scheme: str = _checked("http", _one_of("http", "https"))
+    model: str | None = _checked(None, _non_empty)
+    labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    weight: float = _checked(1.0, _positive)
+    max_concurrency: int | None = _checked(None, _at_least(1))
+    kv_capacity_tokens: int | None = _checked(None, _at_least(1))
+    refresh_s: float = _checked(10.0, _positive)
+
+
 def _some_replicas_uniquely_named(replicas: tuple[ReplicaSettings, ...]) -> tuple[ReplicaSettings, ...]:
-    if not replicas:
-        raise ValueError("at least one replica is required")
     first_seen: dict[str, int] = {}
     problems = []
     for i, replica in enumerate(replicas):
@@ -265,9 +279,8 @@ def _first_byte_within_total(timeouts: Timeouts) -> Timeouts:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
     listen: Listen = _section(Listen)
-    replicas: tuple[ReplicaSettings, ...] = _checked(
-        check=_some_replicas_uniquely_named, missing="at least one replica is required"
-    )
+    replicas: tuple[ReplicaSettings, ...] = _checked((), check=_some_replicas_uniquely_named)
+    replica_sets: tuple[ReplicaSetSettings, ...] = ()
     policy: PolicySettings = _section(PolicySettings, _known_policy)
     timeouts: Timeouts = _section(Timeouts, _first_byte_within_total)
     retries: Retries = _section(Retries)
@@ -397,6 +410,8 @@ def parse_settings(data: Any) -> Settings:
     """Validate an already-parsed YAML document; raise ConfigError listing every problem."""
     problems: list[str] = []
     settings = _build(Settings, data, "", problems)
+    if not problems and not settings.replicas and not settings.replica_sets:
+        problems.append("replicas: at least one replica is required")
     if problems:
         raise ConfigError(problems)
     return settings

@@ -1,7 +1,7 @@
 """Hot reload: apply a new, already validated configuration without dropping requests.
 
-What changes live: the replica set (added, removed, or replaced when their settings changed;
-requests in flight finish on the replica they started on) and the policy. Everything else
+What changes live: the replicas the file lists (added, removed, or replaced when their settings
+changed; requests in flight finish on the replica they started on) and the policy. Everything else
 (listen address, timeouts, limits, routing, auth, logging) is kept as it was and reported
 as needing a restart, so an operator is never surprised by a setting that silently did not
 take.
@@ -33,22 +33,22 @@ def apply_settings(balancer: Balancer, new: Settings) -> dict[str, Any]:
     new_policy = make_policy(new.policy.name, new.policy.params, new.policy.seed)
     if new_policy.needs_prompt != balancer.policy.needs_prompt:
         raise ConfigError(["policy.name: switching to or from a cache-aware policy needs a restart"])
-    fleet, tracker = balancer.fleet, balancer.tracker
+    fleet = balancer.fleet
     wanted = {r.name: r for r in new.replicas}
+    # Only replicas the file itself lists: those from DNS or the admin API are not the file's.
+    configured = {r.name for r in old.replicas}
     added, removed, replaced = [], [], []
     for replica in list(fleet.replicas):
+        if replica.name not in configured:
+            continue
         target = wanted.get(replica.name)
         if target == replica.settings:
             continue
-        fleet.remove(replica.name)
-        if tracker is not None:
-            tracker.forget(replica.name)
+        balancer.left(fleet.remove(replica.name))
         (replaced if target is not None else removed).append(replica.name)
     for name, settings in wanted.items():
         if name not in fleet.by_name:
-            replica = fleet.add(settings)
-            if tracker is not None:
-                tracker.index.set_capacity(name, replica.kv_capacity_tokens)
+            balancer.joined(fleet.add(settings))
             if name not in replaced:
                 added.append(name)
     policy_changed = new.policy != old.policy

@@ -19,6 +19,7 @@ from balancer.auth import Authenticator, load_keys, replica_key
 from balancer.breaker import BreakerSettings
 from balancer.config import Settings
 from balancer.discovery import ModelDiscovery
+from balancer.dns import DnsDiscovery, Resolver, system_resolver
 from balancer.errors import JSON_HEADERS, ClientError
 from balancer.fleet import FULL, Fleet, Replica
 from balancer.health import HealthChecker
@@ -54,7 +55,9 @@ def make_error_answer(id_header: str):  # noqa: ANN201
 class Balancer:
     """Everything one balancer instance owns: fleet, policy, metrics, connections to replicas."""
 
-    def __init__(self, settings: Settings, policy: Policy | None = None) -> None:
+    def __init__(
+        self, settings: Settings, policy: Policy | None = None, resolver: Resolver = system_resolver
+    ) -> None:
         self.settings = settings
         health = settings.health
         self.fleet = Fleet(
@@ -89,6 +92,9 @@ class Balancer:
         self._tasks: list[asyncio.Task[None]] = []
         self._discovery: ModelDiscovery | None = None
         self.admin = AdminApi(self)
+        self.dns = DnsDiscovery(
+            settings.replica_sets, self.fleet, resolver, on_added=self.joined, on_removed=self.left
+        )
         self.config_path: str | None = None  # the file `kvlb serve --config` read, for reloads
         self._get_routes = {
             "/v1/models": self.models,
@@ -124,8 +130,11 @@ class Balancer:
         )
         health = HealthChecker(self.fleet, self.settings.health, self.session, on_change=self._health_changed)
         # One round before serving, so /v1/models and model routing know the fleet at once.
+        await self.dns.refresh_once()
         await asyncio.gather(discovery.refresh_once(), health.check_once())
         self._tasks = [asyncio.create_task(discovery.run()), asyncio.create_task(health.run())]
+        if self.settings.replica_sets:
+            self._tasks.append(asyncio.create_task(self.dns.run()))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -136,6 +145,16 @@ class Balancer:
         self.pool.close()
         if self.session is not None:
             await self.session.close()
+
+    def joined(self, replica: Replica) -> None:
+        if self.tracker is not None:
+            self.tracker.index.set_capacity(replica.name, replica.kv_capacity_tokens)
+        if self._discovery is not None:
+            asyncio.get_running_loop().create_task(self.discover(replica))
+
+    def left(self, replica: Replica) -> None:
+        if self.tracker is not None:
+            self.tracker.forget(replica.name)
 
     async def discover(self, replica: Replica) -> None:
         """Learn a replica's models (and KV capacity) now rather than at the next refresh."""
@@ -357,10 +376,14 @@ class RunningBalancer:
 
 
 async def start_balancer(
-    settings: Settings, policy: Policy | None = None, *, port: int | None = None
+    settings: Settings,
+    policy: Policy | None = None,
+    *,
+    port: int | None = None,
+    resolver: Resolver = system_resolver,
 ) -> RunningBalancer:
     """Start serving on the configured address (or `port`); returns once it accepts."""
-    balancer = Balancer(settings, policy)
+    balancer = Balancer(settings, policy, resolver)
     limits = ServerLimits(
         max_header_bytes=settings.limits.max_header_bytes,
         max_body_bytes=settings.limits.max_body_bytes,
