@@ -10,6 +10,8 @@ import aiohttp
 from aiohttp import web
 
 from balancer.breaker import CLOSED, HALF_OPEN, OPEN, Breaker, BreakerSettings
+from loadtest.replica.config import ReplicaConfig
+from loadtest.replica.launch import running_replica
 from loadtest.stub_replica import make_stub_app
 from tests.conftest import make_settings, run_balancer, serve_app
 from tests.upstreams import Seen, status_app
@@ -103,3 +105,34 @@ async def test_429_with_retry_after_moves_on_and_keeps_away() -> None:
                                      json={"model": "stub-model", "prompt": "x"}) as resp:
                     assert resp.status == 200 and resp.headers["x-kvlb-replica"] == "good"
         assert limited.requests == 1  # asked once, then left alone for its 60 s
+
+
+async def test_flapping_simulated_replica_is_ejected_and_returns_through_half_open() -> None:
+    async with AsyncExitStack() as stack:
+        flaky = await stack.enter_async_context(running_replica(ReplicaConfig(model="m", time_scale=100)))
+        steady = await stack.enter_async_context(running_replica(ReplicaConfig(model="m", time_scale=100)))
+        flaky_url = f"http://127.0.0.1:{flaky.port}"
+        settings = make_settings(
+            [{"url": flaky_url, "name": "flaky"}, {"url": f"http://127.0.0.1:{steady.port}", "name": "steady"}],
+            policy={"name": "round_robin"},
+            health={"eject_after_failures": 2, "ejection_base_s": 0.3},
+        )
+        running = await stack.enter_async_context(run_balancer(settings))
+        breaker = running.balancer.fleet.by_name["flaky"].breaker
+        async with aiohttp.ClientSession() as http:
+
+            async def send() -> str:
+                async with http.post(running.url + "/v1/completions",
+                                     json={"model": "m", "prompt": "a b c", "max_tokens": 2}) as resp:
+                    assert resp.status == 200  # a 503 from the flaky one fails over: clients see none
+                    return resp.headers["x-kvlb-replica"]
+
+            async with http.post(flaky_url + "/admin/fault", json={"error_rate": 1.0}) as resp:
+                assert resp.status == 200
+            assert {await send() for _ in range(6)} == {"steady"}
+            assert breaker.state(asyncio.get_running_loop().time()) == "open"
+            async with http.post(flaky_url + "/admin/fault", json={}) as resp:
+                assert resp.status == 200
+            await asyncio.sleep(0.35)
+            assert "flaky" in {await send() for _ in range(4)}  # the half-open probe succeeded
+            assert breaker.state(asyncio.get_running_loop().time()) == "closed"
