@@ -89,6 +89,11 @@ class Request:
     def answered(self) -> bool:
         return self._conn.response_started
 
+    @property
+    def client_stalled(self) -> bool:
+        """The client has stopped reading: our writes are piling up unread."""
+        return self._conn.write_paused
+
     def abort(self) -> None:
         """Cut the connection: the client sees an incomplete answer, never a finished one."""
         self._conn.abort()

@@ -62,11 +62,12 @@ async def end_broken_response(request: Request, outcome: Outcome, reason: str) -
     """End a response that started but cannot finish, so that it never looks complete.
 
     An SSE client gets a final `data: {"error": ...}` event and a clean end of stream; any
-    other body is cut by closing the connection before its end.
+    other body, and any client that has stopped reading (it would never take the event), is
+    cut by closing the connection before its end.
     """
     stream = outcome.stream
     assert stream is not None
-    if outcome.sse:
+    if outcome.sse and not request.client_stalled:
         event = {"error": {"message": reason, "type": "upstream_error", "code": "stream_broken"}}
         with contextlib.suppress(ConnectionError):
             await stream.write(b"data: " + orjson.dumps(event) + b"\n\n")
