@@ -117,6 +117,10 @@ class Proxy:
         self.metrics = metrics
         self.pool = pool
         self.tracker = tracker
+        self.configure(settings)
+
+    def configure(self, settings: Settings) -> None:
+        self.settings = settings
         self.max_attempts = settings.retries.max_attempts
         self.expose_replica = settings.headers.expose_replica
         self.id_header = settings.headers.request_id

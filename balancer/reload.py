@@ -1,10 +1,11 @@
 """Hot reload: apply a new, already validated configuration without dropping requests.
 
 What changes live: the replicas the file lists (added, removed, or replaced when their settings
-changed; requests in flight finish on the replica they started on) and the policy. Everything else
-(listen address, timeouts, limits, routing, auth, logging) is kept as it was and reported
-as needing a restart, so an operator is never surprised by a setting that silently did not
-take.
+changed; requests in flight finish on the replica they started on), the policy, timeouts,
+retries, admission limits, health checks, model discovery, headers and logging. What is
+bound at start (the listen address, body and header size limits, routing and its index, DNS
+replica sets, API keys, the admin API) keeps its old value and is reported as needing a
+restart, so an operator is never surprised by a setting that silently did not take.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ if TYPE_CHECKING:
     from balancer.server import Balancer
 
 log = logging.getLogger("kvlb.reload")
-LIVE_SECTIONS = ("replicas", "policy")
+LIVE_SECTIONS = ("replicas", "policy", "timeouts", "retries", "health", "models", "headers", "logging")
+# Within `limits`, what admission control reads per request; the size limits are the server's.
+LIVE_LIMITS = ("max_in_flight", "max_queued", "queue_timeout_s")
 
 
 def reload_file(balancer: Balancer, path: str) -> dict[str, Any]:
@@ -56,9 +59,17 @@ def apply_settings(balancer: Balancer, new: Settings) -> dict[str, Any]:
         balancer.policy = new_policy
     restart_needed = [
         f.name for f in dataclasses.fields(Settings)
-        if f.name not in LIVE_SECTIONS and getattr(new, f.name) != getattr(old, f.name)
+        if f.name not in LIVE_SECTIONS + ("limits",) and getattr(new, f.name) != getattr(old, f.name)
     ]
-    balancer.settings = dataclasses.replace(old, replicas=new.replicas, policy=new.policy)
+    live_limits = {name: getattr(new.limits, name) for name in LIVE_LIMITS}
+    if dataclasses.replace(new.limits, **{n: getattr(old.limits, n) for n in LIVE_LIMITS}) != old.limits:
+        restart_needed.append("limits (max_body_bytes, max_header_bytes)")
+    applied = dataclasses.replace(
+        new,
+        **{name: getattr(old, name) for name in restart_needed if "(" not in name},
+        limits=dataclasses.replace(old.limits, **live_limits),
+    )
+    balancer.apply_live(applied)
     result = {"added": added, "removed": removed, "replaced": replaced,
               "policy_changed": policy_changed, "restart_needed": restart_needed}
     log.info("configuration reloaded: %s", result)

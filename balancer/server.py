@@ -91,6 +91,7 @@ class Balancer:
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._discovery: ModelDiscovery | None = None
+        self._health: HealthChecker | None = None
         self.admin = AdminApi(self)
         self.dns = DnsDiscovery(
             settings.replica_sets, self.fleet, resolver, on_added=self.joined, on_removed=self.left
@@ -128,7 +129,9 @@ class Balancer:
             self.fleet, self.settings.models, self.session,
             on_capacity=self._capacity_reported if self.tracker is not None else None,
         )
-        health = HealthChecker(self.fleet, self.settings.health, self.session, on_change=self._health_changed)
+        health = self._health = HealthChecker(
+            self.fleet, self.settings.health, self.session, on_change=self._health_changed
+        )
         # One round before serving, so /v1/models and model routing know the fleet at once.
         await self.dns.refresh_once()
         await asyncio.gather(discovery.refresh_once(), health.check_once())
@@ -145,6 +148,21 @@ class Balancer:
         self.pool.close()
         if self.session is not None:
             await self.session.close()
+
+    def apply_live(self, settings: Settings) -> None:
+        """Take the sections that can change while serving (see balancer/reload.py)."""
+        self.settings = settings
+        self.proxy.configure(settings)
+        limits = settings.limits
+        self.admission.max_in_flight = limits.max_in_flight
+        self.admission.max_queued = limits.max_queued
+        self.admission.queue_timeout_s = limits.queue_timeout_s
+        if self._health is not None:
+            self._health.settings = settings.health
+        if self._discovery is not None:
+            self._discovery.settings = settings.models
+        self.access_log = settings.logging.access_log
+        logging.getLogger().setLevel(settings.logging.level.upper())
 
     def joined(self, replica: Replica) -> None:
         if self.tracker is not None:

@@ -87,12 +87,16 @@ async def test_reload_through_the_admin_api(monkeypatch: pytest.MonkeyPatch, tmp
                 assert resp.status == 400
                 assert "replicas[0].url" in (await resp.json())["error"]["message"]
             config.write_text(f"replicas: [{{url: '{b}', name: b}}]\npolicy: {{name: round_robin}}\n"
-                              "admin: {token_env: KVLB_ADMIN_TOKEN}\ntimeouts: {total_s: 300}\n")
+                              "admin: {token_env: KVLB_ADMIN_TOKEN}\ntimeouts: {total_s: 300}\n"
+                              "routing: {block_chars: 32}\nlimits: {max_in_flight: 7}\n")
             async with http.post(running.url + "/admin/reload", headers=ADMIN) as resp:
                 result = await resp.json()
                 assert resp.status == 200, result
             assert result["added"] == ["b"] and result["removed"] == ["a"] and result["policy_changed"]
-            assert "timeouts" in result["restart_needed"]
+            assert result["restart_needed"] == ["routing"]  # bound at start
+            live = running.balancer
+            assert live.settings.timeouts.total_s == 300 and live.admission.max_in_flight == 7
+            assert live.settings.routing.block_chars == 64
             assert await served_by(http, running.url, 3) == {"b"}
 
 
