@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import os
 import random
 import select
 import subprocess
@@ -19,6 +18,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
 
+from loadtest.procs import read_cpu_seconds
 from loadtest.replica.config import ReplicaConfig
 from loadtest.replica.server import ReplicaServer
 
@@ -143,11 +143,7 @@ class ReplicaProcess:
 
     def cpu_seconds(self) -> float:
         """User plus system CPU time of the child so far, from /proc (Linux)."""
-        with open(f"/proc/{self.pid}/stat") as stat:
-            # The command name may hold spaces; fields are counted after its ')'.
-            fields = stat.read().rsplit(")", 1)[1].split()
-        ticks = int(fields[11]) + int(fields[12])  # utime, stime
-        return ticks / os.sysconf("SC_CLK_TCK")
+        return read_cpu_seconds(self.pid)
 
     def __enter__(self) -> ReplicaProcess:
         try:
