@@ -72,4 +72,4 @@ async def test_a_client_that_stops_reading_is_cut_off_not_waited_for_forever() -
         await reader.readuntil(b"\r\n\r\n")  # the answer started; now never read again
         await wait_for(lambda: running.balancer.in_flight == 0, timeout=5.0)
         writer.close()
-        assert seen.disconnected_at  # the upstream request was closed too
+        await wait_for(lambda: bool(seen.disconnected_at))  # the upstream request was closed too

@@ -28,7 +28,8 @@ import yaml
 from loadtest.procs import free_port, start_process, stop_process, wait_for_http
 from loadtest.replica.launch import ReplicaProcess
 
-REPLICA_ARGS = ["--time-scale", "50", "--model", "m"]
+# Slow enough that streams on the victim are still mid-way when it is killed.
+REPLICA_ARGS = ["--time-scale", "20", "--model", "m"]
 REQUESTS = 200
 CONCURRENCY = 20
 MAX_TOKENS = 512
