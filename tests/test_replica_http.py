@@ -1,6 +1,7 @@
 """The HTTP face, spoken to by the official `openai` SDK and by raw HTTP for SGLang's routes."""
 
 import asyncio
+import gc
 import socket
 import time
 
@@ -11,7 +12,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.replica.config import ReplicaConfig
+from loadtest.replica.driver import TokenListener
+from loadtest.replica.engine import Sequence
 from loadtest.replica.launch import running_replica
+from loadtest.replica.streaming import SseStream
 from loadtest.replica.tokens import output_text
 
 FAST = 1000.0  # time scale for tests that check shapes, not timing
@@ -236,6 +240,35 @@ async def test_client_disconnect_frees_the_request(replica, http):
     assert not replica.engine.has_work
     assert replica.engine.cache.used_blocks == 0
     assert replica.engine.counters.requests_aborted == 1
+
+
+async def test_answered_requests_leave_nothing_for_the_cycle_collector(replica, http):
+    # A sequence holds its prompt's tokens. A reference cycle through it (sequence <-> its
+    # listener or stream) would keep every answered request's tokens alive until the cycle
+    # collector runs, which in a replica making little other garbage may be long. (A client
+    # that leaves mid-stream is another matter: aiohttp keeps the failed write's exception,
+    # whose traceback holds the engine loop's frames, in a cycle of its own.)
+    gc.collect()
+    gc.disable()
+    try:
+        for stream in (True, False):
+            body = {
+                "messages": [{"role": "user", "content": words("w", 300)}],
+                "max_tokens": 40,
+                "stream": stream,
+            }
+            async with http.post(replica.url + "/v1/chat/completions", json=body) as response:
+                await response.read()
+        await wait_until_idle(replica)
+        await asyncio.sleep(0.05)  # the handlers' last lines
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        kept = [o for o in gc.garbage if isinstance(o, Sequence | TokenListener | SseStream)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert kept == []
 
 
 async def test_disconnect_while_waiting_without_streaming():

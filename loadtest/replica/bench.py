@@ -8,7 +8,9 @@ requests going (2,048-token prompts, 128 output tokens, no shared prefixes) and 
   up has sub-millisecond mean lag and zero slip.
 - CPU: the replica process's user+system CPU time (from /proc) per request, beside the CPU
   that the bare wake-and-write pattern of the same run costs on this machine with no replica
-  code at all (in nested virtual machines that floor alone can be most of the budget).
+  code at all (in nested virtual machines that floor alone can be most of the budget), and
+  what that pattern costs on the replica's event loop (uvloop timers and transports), which
+  any asyncio server pays before its own code runs.
 - the latencies the client saw, beside the model's own numbers.
 
 The budgets (lag and slip near zero, under 5 ms of CPU per request) are checked and the exit
@@ -19,15 +21,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import select
 import socket
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 
 import aiohttp
 import orjson
+import uvloop
 
 from loadtest.replica.launch import ReplicaProcess
 from loadtest.replica.profiles import get_profile
@@ -85,6 +90,37 @@ async def _run_load(url: str, streams: int, requests: int, prompt: int, output: 
     return results
 
 
+@contextlib.contextmanager
+def _sockets_read_elsewhere(streams: int, total_bytes: int) -> Iterator[list[socket.socket]]:
+    """`streams` connected TCP sockets whose far ends another process reads, together, until
+    `total_bytes` have arrived."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    reader = os.fork()
+    if reader == 0:  # pragma: no cover - child
+        try:
+            connections = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+            poller = select.epoll()
+            for connection in connections:
+                poller.register(connection.fileno(), select.EPOLLIN)
+            received = 0
+            while received < total_bytes:
+                for fd, _ in poller.poll(5.0):
+                    received += len(os.read(fd, 1 << 16))
+        finally:
+            os._exit(0)
+    peers = [listener.accept()[0] for _ in range(streams)]
+    for peer in peers:
+        peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        yield peers
+    finally:
+        os.waitpid(reader, 0)
+        for peer in peers:
+            peer.close()
+        listener.close()
+
+
 def io_floor_cpu_seconds(
     streams: int, period_s: float, chunk_bytes: int, rounds: int = 300
 ) -> float:
@@ -94,37 +130,61 @@ def io_floor_cpu_seconds(
     of microseconds, which no replica code can avoid; this separates the machine's cost from
     the replica's own.
     """
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    total = streams * rounds * chunk_bytes
-    reader = os.fork()
-    if reader == 0:  # pragma: no cover - child
-        try:
-            connections = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
-            poller = select.epoll()
-            for connection in connections:
-                poller.register(connection.fileno(), select.EPOLLIN)
-            received = 0
-            while received < total:
-                for fd, _ in poller.poll(5.0):
-                    received += len(os.read(fd, 1 << 16))
-        finally:
-            os._exit(0)
-    peers = [listener.accept()[0] for _ in range(streams)]
-    for peer in peers:
-        peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    chunk = b"x" * chunk_bytes
-    cpu_started = time.process_time()
-    origin = time.monotonic()
-    for round_number in range(rounds):
-        for peer in peers:
-            peer.sendall(chunk)
-        time.sleep(max(0.0, origin + (round_number + 1) * period_s - time.monotonic()))
-    cpu = time.process_time() - cpu_started
-    os.waitpid(reader, 0)
-    for peer in peers:
-        peer.close()
-    listener.close()
+    with _sockets_read_elsewhere(streams, streams * rounds * chunk_bytes) as peers:
+        chunk = b"x" * chunk_bytes
+        cpu_started = time.process_time()
+        origin = time.monotonic()
+        for round_number in range(rounds):
+            for peer in peers:
+                peer.sendall(chunk)
+            time.sleep(max(0.0, origin + (round_number + 1) * period_s - time.monotonic()))
+        cpu = time.process_time() - cpu_started
+    return cpu / rounds
+
+
+def event_loop_floor_cpu_seconds(
+    streams: int, period_s: float, chunk_bytes: int, rounds: int = 300
+) -> float:
+    """The same pattern as `io_floor_cpu_seconds`, driven as the replica drives it: on uvloop,
+    one loop timer per iteration, one transport write per stream. What any asyncio server on
+    this loop pays for it before any HTTP or engine code runs (the timer alone is a libuv
+    handle made and closed each iteration, and a second pass of the loop to close it)."""
+    with _sockets_read_elsewhere(streams, streams * rounds * chunk_bytes) as peers:
+
+        async def run() -> float:
+            loop = asyncio.get_running_loop()
+            transports = []
+            for peer in peers:
+                # The transport takes the file descriptor; the socket object stays ours.
+                transport, _ = await loop.connect_accepted_socket(
+                    asyncio.Protocol, socket.socket(fileno=os.dup(peer.fileno()))
+                )
+                transports.append(transport)
+            chunk = b"x" * chunk_bytes
+            finished = loop.create_future()
+            origin = loop.time()
+            count = 0
+
+            def tick() -> None:
+                nonlocal count
+                for transport in transports:
+                    transport.write(chunk)
+                count += 1
+                if count == rounds:
+                    finished.set_result(None)
+                else:
+                    loop.call_at(origin + count * period_s, tick)
+
+            cpu_started = time.process_time()
+            loop.call_soon(tick)
+            await finished
+            cpu = time.process_time() - cpu_started
+            for transport in transports:
+                transport.close()
+            await asyncio.sleep(0)  # let the loop close them
+            return cpu
+
+        cpu = uvloop.run(run())
     return cpu / rounds
 
 
@@ -168,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     chunk_bytes = 250  # about one chat.completion.chunk with its HTTP chunk framing
     floor_cpu = io_floor_cpu_seconds(args.streams, period, chunk_bytes)
     floor_per_request = floor_cpu * iterations / len(results)
+    loop_floor_cpu = event_loop_floor_cpu_seconds(args.streams, period, chunk_bytes)
+    loop_floor_per_request = loop_floor_cpu * iterations / len(results)
     ttfts = sorted(r[0] for r in results)
     scale = args.time_scale
     print(
@@ -194,6 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         f"x {chunk_bytes} B to sockets, and nothing else, costs {floor_cpu * 1e6:.0f} us of CPU "
         f"per iteration here = {floor_per_request * 1000:.2f} ms per request; the replica's "
         f"own cost above that: {(cpu_per_request - floor_per_request) * 1000:.2f} ms per request"
+    )
+    print(
+        f"  event-loop floor: the same on uvloop (a loop timer per iteration, transport "
+        f"writes), still without HTTP or engine: {loop_floor_cpu * 1e6:.0f} us per iteration "
+        f"= {loop_floor_per_request * 1000:.2f} ms per request; the replica above that: "
+        f"{(cpu_per_request - loop_floor_per_request) * 1000:.2f} ms per request"
     )
     inter_token = statistics.mean((r[1] - r[0]) / (args.output_tokens - 1) for r in results)
     decode_step_ms = profile.decode_step_ms(args.streams, args.streams * (args.prompt_tokens + 64))

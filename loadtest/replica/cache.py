@@ -14,20 +14,18 @@ Like vLLM's allocator, a cached block whose hash is computed again by another re
 shared rather than duplicated, and a released chain enters the LRU order leaf first, so a
 prefix's tail is evicted before its head. The cache never reads a clock: recency is the
 order of release.
+
+A cached block is three integers in three dicts keyed by its hash, not an object: a replica
+caches tens of thousands of blocks and every prompt commits and releases a hundred or more,
+and objects would keep the garbage collector busy (each collection of the oldest generation
+walks them all, tens of milliseconds in the middle of the engine loop), where dicts of
+integers stay out of its sight.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
-
-
-@dataclass(slots=True)
-class _CachedBlock:
-    parent: int | None
-    ref_count: int = 0
-    children: int = 0
 
 
 class PrefixCache:
@@ -38,7 +36,11 @@ class PrefixCache:
             raise ValueError("capacity must hold at least one block")
         self.block_size = block_size
         self.capacity_blocks = capacity_tokens // block_size
-        self._blocks: dict[int, _CachedBlock] = {}
+        # Per cached block: running requests using it, its parent's hash (None at the root),
+        # and how many of its children are cached.
+        self._refs: dict[int, int] = {}
+        self._parents: dict[int, int | None] = {}
+        self._children: dict[int, int] = {}
         # Unreferenced cached blocks, least recently released first; values unused.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._private_blocks = 0
@@ -52,7 +54,7 @@ class PrefixCache:
 
     @property
     def cached_blocks(self) -> int:
-        return len(self._blocks)
+        return len(self._refs)
 
     @property
     def evictable_blocks(self) -> int:
@@ -61,23 +63,22 @@ class PrefixCache:
     @property
     def used_blocks(self) -> int:
         """Blocks held by running requests; what vLLM's KV usage and SGLang's token usage count."""
-        return self._private_blocks + len(self._blocks) - len(self._evictable)
+        return self._private_blocks + len(self._refs) - len(self._evictable)
 
     @property
     def free_blocks(self) -> int:
         """Blocks holding nothing at all, not even evictable cache."""
-        return self.capacity_blocks - self._private_blocks - len(self._blocks)
+        return self.capacity_blocks - self._private_blocks - len(self._refs)
 
     @property
     def usage(self) -> float:
         return self.used_blocks / self.capacity_blocks
 
     def __contains__(self, block_hash: int) -> bool:
-        return block_hash in self._blocks
+        return block_hash in self._refs
 
     def ref_count(self, block_hash: int) -> int:
-        block = self._blocks.get(block_hash)
-        return block.ref_count if block else 0
+        return self._refs.get(block_hash, 0)
 
     # -- lookups and references ----------------------------------------------------------
 
@@ -88,13 +89,13 @@ class PrefixCache:
         the evictable pool, so they cannot also be counted as reusable space.
         """
         matched = unreferenced = 0
-        blocks = self._blocks
+        refs = self._refs
         for block_hash in hashes:
-            block = blocks.get(block_hash)
-            if block is None:
+            count = refs.get(block_hash)
+            if count is None:
                 break
             matched += 1
-            if block.ref_count == 0:
+            if count == 0:
                 unreferenced += 1
         return matched, unreferenced
 
@@ -104,11 +105,13 @@ class PrefixCache:
 
     def acquire(self, hashes: Sequence[int]) -> None:
         """Reference cached blocks (a matched prefix) for a running request."""
+        refs = self._refs
+        evictable = self._evictable
         for block_hash in hashes:
-            block = self._blocks[block_hash]
-            if block.ref_count == 0:
-                del self._evictable[block_hash]
-            block.ref_count += 1
+            count = refs[block_hash]
+            if count == 0:
+                del evictable[block_hash]
+            refs[block_hash] = count + 1
 
     def allocate(self, blocks: int) -> bool:
         """Take `blocks` private blocks, evicting cache only if free space runs short."""
@@ -128,20 +131,22 @@ class PrefixCache:
         shared and this copy freed, so a hot prefix costs its memory once.
         """
         self._private_blocks -= len(hashes)
-        blocks = self._blocks
+        refs = self._refs
+        parents = self._parents
+        children = self._children
         evictable = self._evictable
         for block_hash in hashes:
-            block = blocks.get(block_hash)
-            if block is not None:
-                if block.ref_count == 0:
+            count = refs.get(block_hash)
+            if count is not None:
+                if count == 0:
                     del evictable[block_hash]
-                block.ref_count += 1
+                refs[block_hash] = count + 1
             else:
-                blocks[block_hash] = _CachedBlock(parent=parent, ref_count=1)
-                if parent is not None:
-                    parent_block = blocks.get(parent)
-                    if parent_block is not None:
-                        parent_block.children += 1
+                refs[block_hash] = 1
+                parents[block_hash] = parent
+                children[block_hash] = 0
+                if parent in children:
+                    children[parent] += 1
             parent = block_hash
 
     def release(self, hashes: Sequence[int], private_blocks: int) -> None:
@@ -151,12 +156,12 @@ class PrefixCache:
         that, at equal recency, the leaf is evicted before its parent.
         """
         self._private_blocks -= private_blocks
-        blocks = self._blocks
+        refs = self._refs
         evictable = self._evictable
         for block_hash in reversed(hashes):
-            block = blocks[block_hash]
-            block.ref_count -= 1
-            if block.ref_count == 0:
+            count = refs[block_hash] - 1
+            refs[block_hash] = count
+            if count == 0:
                 evictable[block_hash] = None
 
     # -- eviction ------------------------------------------------------------------------
@@ -166,19 +171,19 @@ class PrefixCache:
         # first and a parent is always used when its child is), so the scan almost always
         # stops at the first entry; it only walks on past a parent whose child is still
         # cached.
+        children = self._children
         for block_hash in self._evictable:
-            block = self._blocks[block_hash]
-            if block.children == 0:
+            if children[block_hash] == 0:
                 break
         else:  # pragma: no cover - every finite forest has a leaf
             raise RuntimeError("no evictable leaf")
         del self._evictable[block_hash]
-        del self._blocks[block_hash]
+        del self._refs[block_hash]
+        del children[block_hash]
+        parent = self._parents.pop(block_hash)
         self.evicted_blocks_total += 1
-        if block.parent is not None:
-            parent_block = self._blocks.get(block.parent)
-            if parent_block is not None:
-                parent_block.children -= 1
+        if parent in children:
+            children[parent] -= 1
 
     def clear(self) -> None:
         """Drop every unreferenced cached block (a flush_cache)."""

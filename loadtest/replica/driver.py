@@ -15,6 +15,7 @@ read their `TokenListener`, which the loop updates at each iteration's end.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import math
 from collections import deque
@@ -24,17 +25,22 @@ from typing import Any
 from loadtest.replica.engine import Engine, Iteration, Sequence, Status
 
 SLIP_LIMIT_S = 0.05
+FINISHED = Status.FINISHED
 
 log = logging.getLogger("kvlb.replica")
 
 
 class TokenListener:
-    """One request's view of its progress, updated at the end of each iteration."""
+    """One request's view of its progress, updated at the end of each iteration.
 
-    __slots__ = ("seq", "delivered", "done", "every_token", "sink", "_waiter")
+    Its sequence points at it (`seq.owner`), not the other way round: a cycle would leave
+    every finished request's prompt tokens to the cycle collector instead of freeing them
+    as the request ends.
+    """
+
+    __slots__ = ("delivered", "done", "every_token", "sink", "_waiter")
 
     def __init__(self, every_token: bool) -> None:
-        self.seq: Sequence | None = None
         self.delivered = 0  # tokens produced so far, in real time
         self.done = False
         # Streams wake per token; plain requests only when they finish.
@@ -78,6 +84,9 @@ class RealtimeDriver:
         self._in_flight: Iteration | None = None  # stepped, its end not yet reached
         self._target = 0.0  # loop time at which `_in_flight` ends
         self._origin = 0.0
+        # The context each timer callback runs in, made once: a loop timer otherwise copies
+        # the current context on every iteration.
+        self._context: contextvars.Context | None = None
         self.failed: BaseException | None = None
         # Real-time lateness of each iteration's delivery, most recent last (bounded).
         self._lags: deque[float] = deque(maxlen=lag_samples)
@@ -93,6 +102,7 @@ class RealtimeDriver:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._origin = self._loop.time()
+        self._context = contextvars.copy_context()
 
     async def stop(self) -> None:
         if self._timer is not None:
@@ -110,9 +120,8 @@ class RealtimeDriver:
         seq = self.engine.submit(
             tokens, max_tokens, self.model_now(), request_id=request_id, owner=listener
         )
-        listener.seq = seq
         if self._timer is None and self._loop is not None and self.failed is None:
-            self._timer = self._loop.call_soon(self._tick)
+            self._timer = self._loop.call_soon(self._tick, context=self._context)
         return seq
 
     def abort(self, seq: Sequence) -> None:
@@ -139,7 +148,7 @@ class RealtimeDriver:
                 self.max_lag_s = lag
             self.iterations += 1
             self.busy_model_s += iteration.duration
-            self._deliver(iteration)
+            self._deliver(iteration.emitted)
         engine = self.engine
         start = engine.next_step_time()
         if start is None:
@@ -153,18 +162,18 @@ class RealtimeDriver:
             return
         self._in_flight = iteration
         self._target = self._origin + iteration.end / self.time_scale
-        self._timer = loop.call_at(self._target, self._tick)
+        self._timer = loop.call_at(self._target, self._tick, context=self._context)
 
     @staticmethod
-    def _deliver(iteration: Iteration) -> None:
-        # TokenListener.publish, inlined: this runs once per token.
-        finished = Status.FINISHED
-        for seq in iteration.emitted:
+    def _deliver(emitted: list[Sequence]) -> None:
+        """Publish an iteration's tokens: TokenListener.publish, inlined, as this runs once
+        per token."""
+        for seq in emitted:
             listener = seq.owner
             if listener is None:
                 continue
             delivered = listener.delivered = seq.num_generated
-            done = listener.done = seq.status is finished
+            done = listener.done = seq.status is FINISHED
             sink = listener.sink
             if sink is not None and sink(delivered, done):
                 continue

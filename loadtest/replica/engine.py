@@ -30,7 +30,9 @@ from typing import Any
 
 from loadtest.replica.cache import PrefixCache
 from loadtest.replica.profiles import Profile
-from loadtest.replica.tokens import ROOT_HASH, block_hashes, output_word
+from loadtest.replica.tokens import FILLER_WORDS, ROOT_HASH, block_hashes, chain_hash
+
+FILLER_COUNT = len(FILLER_WORDS)
 
 
 class ContextLengthError(ValueError):
@@ -258,8 +260,9 @@ class Engine:
         """Plan and apply one iteration starting at `now`; None when there is nothing to run."""
         if now < self._busy_until - 1e-9:
             raise ValueError(f"step at {now} before the last iteration ends at {self._busy_until}")
+        # This runs once per iteration, hundreds of times a second in a real-time replica,
+        # and mostly as a pure decode of a few sequences: the common path stays short.
         block_size = self.block_size
-        cache = self.cache
         budget = self.config.max_batched_tokens
         prefill_tokens = 0
         prefill_attention = 0.0
@@ -273,28 +276,22 @@ class Engine:
         while i < len(order):
             seq = order[i]
             i += 1
-            if seq.num_computed < seq.prefill_end:
+            computed = seq.num_computed
+            if computed < seq.prefill_end:
                 if budget:
-                    chunk = min(seq.prefill_end - seq.num_computed, budget)
+                    chunk = min(seq.prefill_end - computed, budget)
                     budget -= chunk
                     prefill_tokens += chunk
-                    prefill_attention += chunk * (seq.num_computed + chunk / 2)
+                    prefill_attention += chunk * (computed + chunk / 2)
                     prefills.append((seq, chunk))
                 continue
-            if seq.num_computed + 1 > seq.num_blocks * block_size:
-                while not cache.allocate(1):
-                    victim = order.pop()
-                    self._preempt(victim)
-                    preempted.append(victim)
-                    if victim is seq:
-                        break
-                if seq.status is not Status.RUNNING:
+            if computed + 1 > seq.num_blocks * block_size:
+                if not self._grow(seq, order, preempted):
                     continue
-                seq.num_blocks += 1
-            decode_context += seq.num_computed + 1
+            decode_context += computed + 1
             decodes.append(seq)
 
-        if not preempted or not (prefills or decodes):
+        if self._waiting and (not preempted or not (prefills or decodes)):
             budget, prefill_tokens, prefill_attention = self._admit(
                 budget, prefill_tokens, prefill_attention, prefills
             )
@@ -324,11 +321,26 @@ class Engine:
             if seq.num_computed % block_size == 0:
                 self._commit_full_blocks(seq)
             self._emit(seq, end, iteration)
-        self.counters.iterations += 1
-        self.counters.prompt_tokens += prefill_tokens
-        self.counters.generation_tokens += len(iteration.emitted)
+        counters = self.counters
+        counters.iterations += 1
+        counters.prompt_tokens += prefill_tokens
+        counters.generation_tokens += len(iteration.emitted)
         self._busy_until = end
         return iteration
+
+    def _grow(self, seq: Sequence, order: list[Sequence], preempted: list[Sequence]) -> bool:
+        """Give a decoding `seq` the new block its next token needs, preempting the most
+        recently admitted sequences (the tail of `order`) while none is free. False when
+        `seq` itself had to go."""
+        cache = self.cache
+        while not cache.allocate(1):
+            victim = order.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        seq.num_blocks += 1
+        return True
 
     def _admit(
         self,
@@ -376,23 +388,30 @@ class Engine:
         return budget, prefill_tokens, prefill_attention
 
     def _emit(self, seq: Sequence, end: float, iteration: Iteration) -> None:
+        """`seq` produced its next token in `iteration`, which ends at `end`."""
         tokens = seq.tokens
-        tokens.append(output_word(seq.num_generated))
-        seq.num_generated += 1
+        generated = seq.num_generated
+        tokens.append(FILLER_WORDS[generated % FILLER_COUNT])  # tokens.output_word
+        seq.num_generated = generated = generated + 1
         if seq.first_token_time is None:
             seq.first_token_time = end
-        block_size = self.block_size
-        if len(tokens) % block_size == 0:
-            parent = seq.hashes[-1] if seq.hashes else ROOT_HASH
-            seq.hashes.extend(block_hashes(tokens, block_size, len(seq.hashes), parent))
+        if len(tokens) % self.block_size == 0:
+            self._hash_last_block(seq)
         iteration.emitted.append(seq)
-        if seq.num_generated >= seq.max_tokens:
+        if generated >= seq.max_tokens:
             self._release(seq)
             del self._running[seq.seq_id]
             seq.status = Status.FINISHED
             seq.finish_time = end
             self.counters.requests_finished += 1
             iteration.finished.append(seq)
+
+    def _hash_last_block(self, seq: Sequence) -> None:
+        """The token just appended filled a block: chain its hash to the sequence's (all
+        blocks before it are hashed already)."""
+        hashes = seq.hashes
+        parent = hashes[-1] if hashes else ROOT_HASH
+        hashes.append(chain_hash(seq.tokens[-self.block_size :], parent))
 
     def _commit_full_blocks(self, seq: Sequence) -> None:
         hashes = seq.hashes

@@ -159,7 +159,7 @@ class GenerationRoutes:
             body = build(request_id, created, model, count, body_usage)
             return web.Response(body=body, content_type=JSON_TYPE)
 
-        stream = OpenAIStream(chat, request_id, created, model)
+        stream = OpenAIStream(chat, request_id, created, model, seq.max_tokens)
         include_usage = generation.include_usage
 
         def chunks(first: int, end: int, done: bool) -> list[bytes]:

@@ -21,6 +21,7 @@ def http_chunk(payload: bytes) -> bytes:
     return b"%x\r\n%b\r\n" % (len(payload), payload)
 
 
+FILLER_COUNT = len(FILLER_WORDS)
 _FIRST_PIECE_JSON = orjson.dumps(FILLER_WORDS[0])
 _SPACED_PIECES_JSON = tuple(orjson.dumps(" " + word) for word in FILLER_WORDS)
 
@@ -28,7 +29,7 @@ _SPACED_PIECES_JSON = tuple(orjson.dumps(" " + word) for word in FILLER_WORDS)
 def _piece_json(index: int) -> bytes:
     if index == 0:
         return _FIRST_PIECE_JSON
-    return _SPACED_PIECES_JSON[index % len(FILLER_WORDS)]
+    return _SPACED_PIECES_JSON[index % FILLER_COUNT]
 
 
 def sse(payload: Any) -> bytes:
@@ -49,7 +50,9 @@ class OpenAIStream:
 
     __slots__ = ("_head", "_first", "_rest", "_envelope", "_framed")
 
-    def __init__(self, chat: bool, request_id: str, created: int, model: str) -> None:
+    def __init__(
+        self, chat: bool, request_id: str, created: int, model: str, max_tokens: int = 0
+    ) -> None:
         obj = "chat.completion.chunk" if chat else "text_completion"
         self._envelope = {"id": request_id, "object": obj, "created": created, "model": model}
         head = (
@@ -64,8 +67,13 @@ class OpenAIStream:
         else:
             self._head = self._first = head + b'"text":'
             self._rest = b',"logprobs":null,"finish_reason":'
-        # A middle chunk depends only on its filler word, so each is built once per request.
-        self._framed: dict[int, bytes] = {}
+        # A middle chunk (neither the first, which carries the role, nor the last, which
+        # carries the finish reason) depends only on its filler word: slot i holds the chunk
+        # of tokens i, i + FILLER_COUNT, ... Those a stream of `max_tokens` needs are built
+        # here, in the handler, rather than one at a time in the engine loop (streaming.py).
+        self._framed: list[bytes | None] = [None] * FILLER_COUNT
+        for index in range(1, min(max_tokens - 1, FILLER_COUNT + 1)):
+            self._framed[index % FILLER_COUNT] = http_chunk(self.token_chunk(index, False))
 
     def token_chunk(self, index: int, last: bool) -> bytes:
         head = self._first if index == 0 else self._head
@@ -74,10 +82,12 @@ class OpenAIStream:
 
     def framed_chunk(self, index: int) -> bytes:
         """`token_chunk(index, last=False)` framed as one HTTP/1.1 chunk."""
-        key = index % len(FILLER_WORDS) if index else -1
-        framed = self._framed.get(key)
+        if not index:  # the first chunk also carries the role; never repeated
+            return http_chunk(self.token_chunk(0, False))
+        slot = index % FILLER_COUNT
+        framed = self._framed[slot]
         if framed is None:
-            framed = self._framed[key] = http_chunk(self.token_chunk(index, False))
+            framed = self._framed[slot] = http_chunk(self.token_chunk(index, False))
         return framed
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> bytes:

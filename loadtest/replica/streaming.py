@@ -41,6 +41,8 @@ def drop_connection(request: web.Request) -> None:
 
 
 class SseStream:
+    __slots__ = ("_request", "_listener", "_render", "_framed", "_faults", "_written", "_transport")
+
     def __init__(
         self,
         request: web.Request,
@@ -88,24 +90,28 @@ class SseStream:
         listener = self._listener
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(self._request)
-        while True:
-            while listener.delivered == self._written and not listener.done:
-                await listener.wait()
-            end, cut = self._sendable()
-            done = listener.done and not cut
-            parts = self._render(self._written, end, done)
-            self._written = end
-            if parts:
+        try:
+            while True:
+                while listener.delivered == self._written and not listener.done:
+                    await listener.wait()
+                end, cut = self._sendable()
+                done = listener.done and not cut
+                parts = self._render(self._written, end, done)
+                self._written = end
                 # The engine loop must not write while aiohttp's writer holds the stream.
                 listener.sink = None
-                await response.write(b"".join(parts))
-            if cut:
-                drop_connection(self._request)
-            if done:
-                break
-            # Headers and the first chunk are out: direct writes may follow.
-            self._transport = self._request.transport
-            listener.sink = self.push
-        listener.sink = None
-        await response.write_eof()
-        return response
+                if done:
+                    # The last chunks and the end of the chunked body leave in one write.
+                    await response.write_eof(b"".join(parts))
+                    return response
+                if parts:
+                    await response.write(b"".join(parts))
+                if cut:
+                    drop_connection(self._request)
+                # Headers and the first chunk are out: direct writes may follow.
+                self._transport = self._request.transport
+                listener.sink = self.push
+        finally:
+            # However the stream ends (done, cut, client gone): no more direct writes, and
+            # no listener -> stream -> listener cycle left for the cycle collector.
+            listener.sink = None

@@ -106,10 +106,15 @@ def block_hashes(
     hashes = []
     end = len(tokens) - block_size
     for start in range(first_block * block_size, end + 1, block_size):
-        data = " ".join(tokens[start : start + block_size]).encode()
-        parent = xxhash.xxh3_64_intdigest(data, seed=parent)
+        parent = chain_hash(tokens[start : start + block_size], parent)
         hashes.append(parent)
     return hashes
+
+
+def chain_hash(block: Sequence[str], parent: int) -> int:
+    """The hash of one full block of tokens whose parent block hashes to `parent`."""
+    # xxhash hashes a str as its UTF-8 bytes, without a copy to bytes first.
+    return xxhash.xxh3_64_intdigest(" ".join(block), seed=parent)
 
 
 def output_word(index: int) -> str:
