@@ -111,13 +111,7 @@ class ReplicaProcess:
         raise TimeoutError("replica did not start in time")
 
     def _reap(self, process: subprocess.Popen[str]) -> str:
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        if process.stdout is not None:
-            process.stdout.close()
+        _wait_then_kill(process)
         return self.stderr_text()
 
     def stderr_text(self) -> str:
@@ -132,13 +126,7 @@ class ReplicaProcess:
             return None
         if process.poll() is None:
             process.terminate()
-            try:
-                process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        if process.stdout is not None:
-            process.stdout.close()
+        _wait_then_kill(process)
         return process.returncode
 
     def cpu_seconds(self) -> float:
@@ -154,3 +142,14 @@ class ReplicaProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def _wait_then_kill(process: subprocess.Popen[str], grace_s: float = 5.0) -> None:
+    """Let an exiting child finish within `grace_s`, kill it past that, close its pipe."""
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    if process.stdout is not None:
+        process.stdout.close()
