@@ -328,6 +328,83 @@ class Engine:
         self._busy_until = end
         return iteration
 
+    # -- plain decode runs, for the offline simulator -------------------------------------
+
+    def decode_run(self) -> int:
+        """How many of the coming iterations are plain decodes of an unchanging batch: every
+        running sequence decodes one token, none finishes, none needs a block that is not
+        there, and nothing waiting could join. Between two such iterations nothing a client
+        sees happens, so a simulator may apply them in one `advance_decode` instead of one
+        `step` each. 0 when the next iteration must go through `step`.
+        """
+        running = self._running
+        if not running:
+            return 0
+        # A waiting head might be admitted at the next iteration; only a full batch keeps
+        # it out for sure (free KV space only shrinks while nothing finishes).
+        if self._waiting and len(running) < self.config.max_running:
+            return 0
+        seqs = running.values()
+        for seq in seqs:
+            if seq.num_computed < seq.prefill_end:
+                return 0
+        # The last token of the soonest-finishing sequence goes through `step`, which
+        # knows how to finish it.
+        run = min(seq.max_tokens - seq.num_generated for seq in seqs) - 1
+        block_size = self.block_size
+        while run > 0:
+            needed = sum(
+                max(0, -(-(seq.num_computed + run) // block_size) - seq.num_blocks) for seq in seqs
+            )
+            if self.cache.can_allocate(needed):
+                return run
+            run //= 2
+        return 0
+
+    def decode_run_times(self, now: float, run: int, until: float | None = None) -> tuple[int, float]:
+        """(iterations, end) of the first `run` plain-decode iterations from `now`, stopping
+        before the first that would start after `until`. The sum is taken iteration by
+        iteration, as `step` would, so both paths land on the same instants."""
+        decode_seqs = len(self._running)
+        context = sum(seq.num_computed + 1 for seq in self._running.values())
+        iteration_seconds = self.profile.iteration_seconds
+        done = 0
+        end = now
+        while done < run:
+            if until is not None and end > until:
+                break
+            end += iteration_seconds(0, 0.0, decode_seqs, context)
+            context += decode_seqs
+            done += 1
+        return done, end
+
+    def advance_decode(self, now: float, iterations: int, end: float) -> None:
+        """Apply `iterations` plain-decode iterations (at most `decode_run()`) that start at
+        `now` and end at `end` (from `decode_run_times`)."""
+        block_size = self.block_size
+        cache = self.cache
+        for seq in self._running.values():
+            generated = seq.num_generated
+            tokens = seq.tokens
+            tokens.extend(FILLER_WORDS[(generated + i) % FILLER_COUNT] for i in range(iterations))
+            seq.num_generated = generated + iterations
+            hashes = seq.hashes
+            full = len(tokens) // block_size
+            if full > len(hashes):
+                parent = hashes[-1] if hashes else ROOT_HASH
+                hashes.extend(block_hashes(tokens, block_size, len(hashes), parent))
+            seq.num_computed += iterations
+            blocks = -(-seq.num_computed // block_size)
+            if blocks > seq.num_blocks:
+                if not cache.allocate(blocks - seq.num_blocks):  # pragma: no cover - decode_run checked
+                    raise RuntimeError("advance_decode beyond decode_run")
+                seq.num_blocks = blocks
+            self._commit_full_blocks(seq)
+        counters = self.counters
+        counters.iterations += iterations
+        counters.generation_tokens += iterations * len(self._running)
+        self._busy_until = end
+
     def _grow(self, seq: Sequence, order: list[Sequence], preempted: list[Sequence]) -> bool:
         """Give a decoding `seq` the new block its next token needs, preempting the most
         recently admitted sequences (the tail of `order`) while none is free. False when
@@ -442,11 +519,16 @@ class Engine:
 
 
 def run_until_idle(
-    engine: Engine, arrivals: SequenceOf[tuple[float, list[str], int]] = (), start: float = 0.0
+    engine: Engine,
+    arrivals: SequenceOf[tuple[float, list[str], int]] = (),
+    start: float = 0.0,
+    decode_runs: bool = False,
 ) -> tuple[list[Sequence], list[Iteration], float]:
     """Drive `engine` in virtual time: submit `(time, tokens, max_tokens)` arrivals as their
     times come and step until nothing is left. Returns the sequences, every iteration and the
-    final time. For tests and quick studies; a fleet simulator keeps its own event queue.
+    final time. With `decode_runs`, plain decode runs are applied in one go (and then are not
+    in the list of iterations), as the fleet simulator does. For tests and quick studies; a
+    fleet simulator keeps its own event queue.
     """
     pending = sorted(arrivals, key=lambda arrival: arrival[0])
     sequences: list[Sequence] = []
@@ -464,6 +546,12 @@ def run_until_idle(
             continue
         assert next_step is not None
         now = max(now, next_step)
+        run = engine.decode_run() if decode_runs else 0
+        if run > 1:
+            done, end = engine.decode_run_times(now, run, until=next_arrival)
+            engine.advance_decode(now, done, end)
+            now = end
+            continue
         iteration = engine.step(now)
         if iteration is None:
             raise RuntimeError("engine has work but schedules nothing")
