@@ -116,20 +116,22 @@ class _Run:
         self.max_send_lag_s = 0.0
         self.start = now()
 
-    async def send(self, req: WorkRequest, due: float) -> RequestRecord:
+    def body(self, req: WorkRequest) -> bytes:
+        return orjson.dumps(req.payload(model=self.model, stream=self.stream))
+
+    async def send(self, req: WorkRequest, body: bytes, due: float) -> RequestRecord:
         if self.cap.locked():
             self.cap_hits += 1
         async with self.cap:
-            record = await self._exchange(req, due)
+            record = await self._exchange(req, body, due)
         self.done += 1
         self.errors += not record.ok
         return record
 
-    async def _exchange(self, req: WorkRequest, due: float) -> RequestRecord:
+    async def _exchange(self, req: WorkRequest, body: bytes, due: float) -> RequestRecord:
         headers = {"Content-Type": "application/json"}
         if req.session is not None:
             headers[SESSION_HEADER] = req.session
-        body = orjson.dumps(req.payload(model=self.model, stream=self.stream))
         scale = self.scale
         sent = now()
         self.max_send_lag_s = max(self.max_send_lag_s, (sent - due) * scale)
@@ -230,10 +232,13 @@ async def run_load(
             for req in schedule:
                 # Against the run's start, not the previous send, so sleep errors do not add up.
                 due = run.start + req.arrival_s / time_scale
+                # Built before its due time: a long prompt takes milliseconds to build, which
+                # would otherwise delay this send and stall the streams being read meanwhile.
+                body = run.body(req)
                 # Timers may fire up to a millisecond early (see `now`): wait out the rest.
                 while (delay := due - now()) > 0:
                     await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(run.send(req, due)))
+                tasks.append(asyncio.create_task(run.send(req, body, due)))
             records = list(await asyncio.gather(*tasks))
         finally:
             for task in tasks:

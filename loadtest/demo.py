@@ -3,7 +3,8 @@
 Starts four simulated GPU replicas (`kvlb replica`, llama-3.1-8b on H100, ten times faster
 than the model) and kvlb as child processes, sends chat and completion requests, streaming
 and not, through the unchanged `openai` client, prints which replica served each and what
-its KV cache held, and stops everything it started, also on Ctrl-C or error.
+its KV cache held, then compares random and cache_aware routing live on the same chat
+sessions, and stops everything it started, also on Ctrl-C or error.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from pathlib import Path
 
 import openai
 
+from loadtest.compare import compare_live, finish, print_comparison
 from loadtest.procs import free_port, start_process, stop_process, wait_for_http
+from loadtest.workloads import load_workload
 
 REPLICAS = 4
 MODEL = "demo-model"
@@ -139,8 +142,36 @@ async def main() -> int:
         finally:
             for proc in reversed(procs):
                 stop_process(proc)
+    await compare_policies()
     print("stopped every process the demo started")
     return 0
+
+
+# Chat sessions with long system prompts, each turn extending the last: where routing decides
+# whether a turn finds its conversation in cache. About 40 s of model time, 4 s at time scale 10.
+COMPARE_WORKLOAD = (
+    "multi-turn,sessions=40,turns=5,system_tokens=6000,user_tokens=200,output_tokens=64,think_s=4,rate=3"
+)
+REPORT_DIR = Path("demo-report")
+
+
+async def compare_policies() -> None:
+    """The same chat sessions live through kvlb twice, with fresh replicas each time: random
+    routing, then cache_aware."""
+    workload = load_workload(COMPARE_WORKLOAD)
+    print(f"\ncomparing random and cache_aware routing, live through kvlb and {REPLICAS} fresh simulated "
+          f"replicas each:\n  {workload.description}")
+    results = await compare_live(
+        workload, ["random", "cache_aware"], REPORT_DIR, replicas=REPLICAS, profile=PROFILE,
+        time_scale=TIME_SCALE, progress=False,
+    )
+    finish(results, REPORT_DIR, workload=workload, seed=0, mode="live (make demo)",
+           fleet=f"{REPLICAS} x {PROFILE} (simulated replica processes, time scale {TIME_SCALE})",
+           command=f"kvlb compare --live --workload '{COMPARE_WORKLOAD}' --policies random,cache_aware "
+                   f"--replicas {REPLICAS} --out {REPORT_DIR}")
+    print("\nTimes in ms of model time (the replicas run ten times faster than the GPUs they model).\n")
+    print_comparison(results)
+    print(f"\nfull report with plots: {REPORT_DIR / 'report.md'}")
 
 
 if __name__ == "__main__":
