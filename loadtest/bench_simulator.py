@@ -51,13 +51,14 @@ def main() -> None:
     parser.add_argument("--case", choices=["trace", "fleet", "all"], default="all")
     parser.add_argument("--minutes", type=float, default=60.0, help="simulated minutes for the fleet case")
     parser.add_argument("--policy", default="cache_aware")
+    parser.add_argument("--trace", type=Path, default=TRACE, help="the shared Mooncake trace (default: %(default)s)")
     args = parser.parse_args()
     if args.case in ("trace", "all"):
-        if TRACE.exists():
+        if args.trace.exists():
             # The trace's ten longest prompts exceed llama-3.1's 131,072-token context.
-            run("shared trace, speed-up 4", f"mooncake:{TRACE},speedup=4", 8, args.policy, context_limit=262144)
+            run("shared trace, speed-up 4", f"mooncake:{args.trace},speedup=4", 8, args.policy, context_limit=262144)
         else:
-            print(f"shared trace not found at {TRACE}; skipping the trace case")
+            print(f"shared trace not found at {args.trace}; skipping the trace case (give --trace)")
     if args.case in ("fleet", "all"):
         requests = int(100 * 60 * args.minutes)
         spec = (f"multi-tenant,tenants=200,system_tokens=2000,question_tokens=128,output_tokens=128,"
