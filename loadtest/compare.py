@@ -27,7 +27,7 @@ from loadtest.simulate_cli import (
     run_offline,
     workload_from_args,
 )
-from loadtest.summary import RequestRecord, summarize, write_results
+from loadtest.summary import RequestRecord, summarize, with_replica_counts, write_results
 from loadtest.workloads import Workload
 
 HELP = "compare routing policies on one workload (offline by default) and write report.md"
@@ -90,6 +90,9 @@ async def compare_live(
             })
             duration = meta.pop("duration_s")
             summary = summarize(records, duration, replicas=fleet.replica_names, meta=meta)
+            if all(record.replica is None for record in records):
+                # A router that does not name the serving replica: ask the replicas instead.
+                with_replica_counts(summary, await fleet.replica_request_counts(), "replica metrics")
             write_results(out_dir / name, records, summary)
             results[name] = (summary, records)
     return results

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import yaml
 
 from loadtest.procs import free_port, start_process, stop_process, wait_for_http
@@ -129,6 +130,19 @@ class LiveFleet:
             state = f"exited with status {code}" if code is not None else "did not answer"
             raise RuntimeError(f"router {shlex.join(argv)!r} {state} at {url}{ready_path}") from None
         return url
+
+    async def replica_request_counts(self) -> dict[str, int]:
+        """Requests each replica finished, from its own `vllm:request_success_total`."""
+        counts: dict[str, int] = {}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            for name, url in zip(self.replica_names, self.replica_urls, strict=True):
+                async with http.get(url + "/metrics") as resp:
+                    text = await resp.text()
+                counts[name] = sum(
+                    int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+                    if line.startswith("vllm:request_success_total")
+                )
+        return counts
 
     def stop_router(self) -> None:
         if self._router is not None:

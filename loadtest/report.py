@@ -96,7 +96,8 @@ def plot(records: Mapping[str, Sequence[RequestRecord]], summaries: Mapping[str,
         for replica in sorted(per_replica):
             times = per_replica[replica]
             ax.step(times, range(1, len(times) + 1), where="post", linewidth=1)
-        ax.set_title(f"{name}: requests per replica (one line each)", fontsize=9)
+        title = "requests per replica (one line each)" if per_replica else "the target did not name the serving replica"
+        ax.set_title(f"{name}: {title}", fontsize=9)
         ax.set_ylabel("requests")
         ax.grid(True, alpha=0.3)
     axes[-1, 0].set_xlabel("send time (s, model time)")

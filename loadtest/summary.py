@@ -156,3 +156,13 @@ def write_results(
     (out_dir / "summary.json").write_bytes(
         orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS) + b"\n"
     )
+
+
+def with_replica_counts(summary: dict[str, Any], counts: Mapping[str, int], source: str) -> dict[str, Any]:
+    """Requests per replica from elsewhere (the replicas' own counters), for a target that
+    does not say which replica served each request."""
+    summary["requests_per_replica"] = dict(sorted(counts.items()))
+    values = list(counts.values())
+    summary["replica_max_min_ratio"] = max(values) / min(values) if values and min(values) > 0 else None
+    summary["requests_per_replica_source"] = source
+    return summary

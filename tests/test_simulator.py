@@ -158,3 +158,15 @@ def test_compare_writes_a_report_with_table_and_plots(tmp_path):
         assert (tmp_path / png).read_bytes().startswith(b"\x89PNG")
         assert f"]({png})" in report
     assert (tmp_path / "cache_aware" / "summary.json").exists()
+
+
+def test_the_example_fleet_file_describes_two_regions_and_tiers():
+    from pathlib import Path
+
+    from loadtest.fleetspec import load_fleet
+
+    fleet = load_fleet(Path(__file__).resolve().parents[1] / "config" / "fleet-multi-region.yaml")
+    assert len(fleet.replicas) == 130
+    far = [r for r in fleet.replicas if r.labels["region"] == "eu-west"]
+    assert len(far) == 80 and all(r.round_trip_s == 0.080 and r.labels["tier"] == "overflow" for r in far)
+    assert fleet.replicas[0].name == "us-east-0" and fleet.replicas[0].round_trip_s == 0.0

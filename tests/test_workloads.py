@@ -16,9 +16,8 @@ from loadtest.workloads import (
     load_workload,
 )
 
-SHARED_TRACE = (
-    Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
-)
+# The first 300 requests of the shared trace (tests/data/README.md).
+SHARED_TRACE = Path(__file__).parent / "data" / "mooncake_head300.jsonl"
 
 
 def words(request: workloads.WorkRequest) -> list[str]:
@@ -152,7 +151,6 @@ def test_empty_trace_is_an_error(tmp_path: Path) -> None:
         load_workload(f"mooncake:{trace}")
 
 
-@pytest.mark.skipif(not SHARED_TRACE.exists(), reason="shared traces not present")
 def test_shared_trace_prefixes_follow_hash_ids() -> None:
     w = load_workload(f"mooncake:{SHARED_TRACE},limit=200")
     lines = [json.loads(line) for line in SHARED_TRACE.read_text().splitlines()[:400]]

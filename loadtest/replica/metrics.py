@@ -62,6 +62,10 @@ class ReplicaCollector:
         )
         yield counter("vllm:generation_tokens", "Generated tokens.", counters.generation_tokens)
         yield counter("vllm:num_preemptions", "Preempted sequences.", counters.preemptions)
+        yield counter(
+            "vllm:request_success", "Requests finished with all their tokens.",
+            counters.requests_finished,
+        )  # fmt: skip
         yield gauge("sglang:num_running_reqs", "Requests in the running batch.", engine.num_running)
         yield gauge(
             "sglang:num_queue_reqs", "Requests waiting to be scheduled.", engine.num_waiting
