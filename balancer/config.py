@@ -229,6 +229,27 @@ class AdminSettings:
     listen_port: int | None = _checked(None, _port)
 
 
+_redis_url = _rule(
+    lambda v: v.startswith(("redis://", "rediss://", "unix://")),
+    "must start with redis://, rediss:// or unix://, got {!r}",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SyncSettings:
+    """Routing state shared with other kvlb instances through Redis; off unless redis_url is set."""
+
+    redis_url: str | None = _checked(None, _redis_url)
+    key_prefix: str = _checked("kvlb", _non_empty)  # keys and the stream of all instances that share state
+    instance_id: str | None = _checked(None, _non_empty)  # default: host name, process id and a random suffix
+    publish_interval_s: float = _checked(0.01, _positive)  # routing events leave in batches this often
+    load_interval_s: float = _checked(0.1, _positive)  # per-replica load snapshot, and peers' read back
+    load_ttl_s: float = _checked(1.0, _positive)  # a silent instance's snapshot (and membership) lapses after this
+    stream_max_len: int = _checked(100_000, _at_least(1))  # routing events Redis keeps (approximately)
+    max_pending_events: int = _checked(10_000, _at_least(1))  # events held while Redis is away; oldest dropped
+    timeout_s: float = _checked(0.5, _positive)  # per Redis command
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicaSetSettings:
     """Replicas found by resolving a host name (a Kubernetes headless service, say): each
@@ -292,6 +313,7 @@ class Settings:
     auth: AuthSettings = _section(AuthSettings)
     admin: AdminSettings = _section(AdminSettings)
     logging: LoggingSettings = _section(LoggingSettings)
+    sync: SyncSettings = _section(SyncSettings)
 
 
 # --- validation engine ------------------------------------------------------------------------

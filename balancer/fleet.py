@@ -20,6 +20,7 @@ class Replica:
         "name", "url", "weight", "labels", "max_concurrency", "kv_capacity_tokens",
         "declared_model", "in_flight", "healthy", "discovered_models", "model_cards",
         "prefill_tokens_queued", "decoding", "breaker", "draining", "settings",
+        "remote_in_flight", "remote_prefill_tokens_queued", "remote_decoding",
     )
 
     def __init__(self, settings: ReplicaSettings, breaker: BreakerSettings | None = None) -> None:
@@ -31,9 +32,16 @@ class Replica:
         self.max_concurrency: int | None = settings.max_concurrency
         self.kv_capacity_tokens: int | None = settings.kv_capacity_tokens
         self.declared_model: str | None = settings.model
+        # Load counts are this instance's own plus, when instances share state (balancer/sync.py),
+        # the others' last snapshots, which are also kept apart in the remote_* fields so that
+        # a new snapshot replaces the old one's share. Policies and max_concurrency thus see
+        # the whole replica's load, whichever instance routed it.
         self.in_flight = 0
         self.prefill_tokens_queued = 0
         self.decoding = 0
+        self.remote_in_flight = 0
+        self.remote_prefill_tokens_queued = 0
+        self.remote_decoding = 0
         self.breaker = Breaker(breaker or BreakerSettings())
         # Draining: no new requests; those in flight finish (admin API).
         self.draining = False
@@ -51,6 +59,23 @@ class Replica:
             return True
         return model == self.declared_model or (
             self.discovered_models is not None and model in self.discovered_models
+        )
+
+    def set_remote_load(self, in_flight: int, prefill_tokens_queued: int, decoding: int) -> None:
+        """Other instances' requests on this replica, replacing their previous snapshot."""
+        self.in_flight += in_flight - self.remote_in_flight
+        self.prefill_tokens_queued += prefill_tokens_queued - self.remote_prefill_tokens_queued
+        self.decoding += decoding - self.remote_decoding
+        self.remote_in_flight = in_flight
+        self.remote_prefill_tokens_queued = prefill_tokens_queued
+        self.remote_decoding = decoding
+
+    def local_load(self) -> tuple[int, int, int]:
+        """This instance's own (in flight, queued prefill tokens, decoding)."""
+        return (
+            self.in_flight - self.remote_in_flight,
+            self.prefill_tokens_queued - self.remote_prefill_tokens_queued,
+            self.decoding - self.remote_decoding,
         )
 
     def has_room(self) -> bool:

@@ -72,6 +72,13 @@ class PrefixIndex:
         self._capacity_tokens: dict[str, float] = {}
         self._entries = 0
         self._next_expiry = inf  # no entry expires before this, so most calls skip the check
+        # Entries evicted, by cause, for /metrics: past their TTL, past a replica's KV capacity
+        # (its LRU), past the global max_entries budget. Corrections, failed attempts and
+        # forgotten replicas are not evictions (see `forget_older_than`, `truncate`,
+        # `remove_replica`).
+        self.evicted_ttl = 0
+        self.evicted_capacity = 0
+        self.evicted_budget = 0
 
     # -- stats -------------------------------------------------------------------------------
 
@@ -360,8 +367,12 @@ class PrefixIndex:
             excess = len(self._lru[rid]) - int(cap // self.tokens_per_block)
             if excess > 0:
                 self._pop_oldest(rid, excess)
+                self.evicted_capacity += excess
 
     def _enforce_budget(self) -> None:
+        if self._entries <= self.max_entries:
+            return
+        before = self._entries
         while self._entries > self.max_entries:
             oldest_rid, oldest, runner_up = -1, inf, inf
             for rid, lru in enumerate(self._lru):
@@ -381,10 +392,12 @@ class PrefixIndex:
                     break
                 del lru[h]
                 self._drop(bit, h)
+        self.evicted_budget += before - self._entries
 
     def _expire(self, now: float) -> None:
         if now < self._next_expiry:
             return
+        before = self._entries
         cutoff = now - self.ttl_s
         next_expiry = inf
         for rid, lru in enumerate(self._lru):
@@ -398,6 +411,7 @@ class PrefixIndex:
                 del lru[h]
                 self._drop(bit, h)
         self._next_expiry = next_expiry
+        self.evicted_ttl += before - self._entries
 
 
 def _children(children: int | set[int] | None) -> tuple[int, ...] | set[int]:

@@ -6,6 +6,10 @@ import logging
 
 import orjson
 
+# The `extra` key under which a record carries its facts as a mapping; the JSON formatter
+# writes them as keys of their own beside the message (the access log does this).
+LOG_FIELDS = "kvlb_fields"
+
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
@@ -15,6 +19,9 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        fields = record.__dict__.get(LOG_FIELDS)
+        if fields:
+            entry.update(fields)
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return orjson.dumps(entry).decode()

@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from balancer.breaker import STATE_VALUES
 from balancer.fleet import Fleet
+from balancer.index import PrefixIndex
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 NO_REPLICA = "none"
@@ -30,6 +31,14 @@ ERROR_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )
+# Routing decisions take tens to hundreds of microseconds (README, "Routing cost").
+DECISION_BUCKETS = (
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1,
+)
+# Estimated memory of one prefix-index (replica, block) entry, nodes included: the worst of
+# tracemalloc and RSS growth per entry over a million entries, measured by
+# `python -m loadtest.bench_routing` (175-248 bytes; README, "Routing cost"), rounded up.
+INDEX_BYTES_PER_ENTRY = 250
 
 
 class _Histogram:
@@ -53,14 +62,20 @@ class _Histogram:
 
 
 class Metrics(Collector):
-    """Every kvlb_* metric. Label values come from bounded sets: routes, replicas, statuses."""
+    """Every kvlb_* metric (but the sync ones: balancer/sync.py). Label values come from
+    bounded sets: routes, models the fleet serves, replicas, statuses."""
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, index: PrefixIndex | None = None) -> None:
         self.fleet = fleet
-        self.requests: defaultdict[tuple[str, str, int], int] = defaultdict(int)
+        self.index = index  # the prefix index, for cache-aware policies
+        self.requests: defaultdict[tuple[str, str, str, int], int] = defaultdict(int)
         self.durations: defaultdict[str, _Histogram] = defaultdict(_Histogram)
+        self.ttfts: defaultdict[tuple[str, str], _Histogram] = defaultdict(_Histogram)
+        self.decisions: defaultdict[str, _Histogram] = defaultdict(lambda: _Histogram(DECISION_BUCKETS))
+        self.failovers: defaultdict[str, int] = defaultdict(int)
         self.attempts: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.disconnects: defaultdict[str, int] = defaultdict(int)
+        self.prompt_tokens: defaultdict[str, int] = defaultdict(int)
         self.predicted_tokens: defaultdict[str, int] = defaultdict(int)
         self.actual_tokens: defaultdict[str, int] = defaultdict(int)
         self.corrections: defaultdict[str, int] = defaultdict(int)
@@ -68,9 +83,21 @@ class Metrics(Collector):
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
-    def observe_request(self, route: str, replica: str, status: int, seconds: float) -> None:
-        self.requests[(route, replica, status)] += 1
+    def observe_request(
+        self, route: str, replica: str, status: int, seconds: float, model: str = "",
+        ttft: float | None = None, failover: bool = False,
+    ) -> None:
+        """One request answered. `ttft`: seconds to the answer's first byte, when a replica
+        answered; `failover`: it was answered by other than its first-ranked replica."""
+        self.requests[(route, model, replica, status)] += 1
         self.durations[route].observe(seconds)
+        if ttft is not None:
+            self.ttfts[(route, replica)].observe(ttft)
+        if failover:
+            self.failovers[route] += 1
+
+    def observe_decision(self, route: str, seconds: float) -> None:
+        self.decisions[route].observe(seconds)
 
     def count_attempt(self, replica: str, outcome: str) -> None:
         self.attempts[(replica, outcome)] += 1
@@ -78,8 +105,12 @@ class Metrics(Collector):
     def count_disconnect(self, route: str) -> None:
         self.disconnects[route] += 1
 
-    def observe_lesson(self, replica: str, predicted: int, actual: int, corrected: bool) -> None:
-        """A replica's reported cached tokens against the prefix index's prediction."""
+    def observe_lesson(
+        self, replica: str, predicted: int, actual: int, corrected: bool, prompt_tokens: int = 0
+    ) -> None:
+        """A replica's reported cached tokens against the prefix index's prediction, and the
+        prompt's length: actual / prompt is the cache hit ratio."""
+        self.prompt_tokens[replica] += prompt_tokens
         self.predicted_tokens[replica] += predicted
         self.actual_tokens[replica] += actual
         self.prediction_error.observe(abs(predicted - actual))
@@ -91,11 +122,12 @@ class Metrics(Collector):
 
     def collect(self) -> Iterator[Metric]:
         requests = CounterMetricFamily(
-            "kvlb_requests", "Requests answered, by route, serving replica and HTTP status",
-            labels=["route", "replica", "status"],
+            "kvlb_requests",
+            "Requests answered, by route, model (\"\" when none or unknown), serving replica and HTTP status",
+            labels=["route", "model", "replica", "status"],
         )
-        for (route, replica, status), count in list(self.requests.items()):
-            requests.add_metric([route, replica, str(status)], count)
+        for (route, model, replica, status), count in list(self.requests.items()):
+            requests.add_metric([route, model, replica, str(status)], count)
         yield requests
 
         duration = HistogramMetricFamily(
@@ -105,6 +137,32 @@ class Metrics(Collector):
         for route, hist in list(self.durations.items()):
             duration.add_metric([route], hist.family_buckets(), hist.total)
         yield duration
+
+        ttft = HistogramMetricFamily(
+            "kvlb_time_to_first_token_seconds",
+            "Time from receiving a request to relaying the first byte of its replica's answer "
+            "(a whole answer when not streamed)",
+            labels=["route", "replica"],
+        )
+        for (route, replica), hist in list(self.ttfts.items()):
+            ttft.add_metric([route, replica], hist.family_buckets(), hist.total)
+        yield ttft
+
+        decision = HistogramMetricFamily(
+            "kvlb_routing_decision_seconds",
+            "CPU time to route a request: parse the body, predict cached prefixes, rank replicas",
+            labels=["route"],
+        )
+        for route, hist in list(self.decisions.items()):
+            decision.add_metric([route], hist.family_buckets(), hist.total)
+        yield decision
+
+        failovers = CounterMetricFamily(
+            "kvlb_failovers", "Requests answered by other than their first-ranked replica", labels=["route"]
+        )
+        for route, count in list(self.failovers.items()):
+            failovers.add_metric([route], count)
+        yield failovers
 
         attempts = CounterMetricFamily(
             "kvlb_upstream_attempts", "Attempts to send a request to a replica, by outcome",
@@ -122,6 +180,11 @@ class Metrics(Collector):
             disconnects.add_metric([route], count)
         yield disconnects
 
+        prompt = CounterMetricFamily(
+            "kvlb_prefix_prompt_tokens",
+            "Prompt tokens (the balancer's estimate) of the answers that reported their cached tokens",
+            labels=["replica"],
+        )
         predicted = CounterMetricFamily(
             "kvlb_prefix_predicted_cached_tokens",
             "Cached prompt tokens the prefix index predicted, for answers that reported theirs",
@@ -138,9 +201,11 @@ class Metrics(Collector):
             labels=["replica"],
         )
         for replica in list(self.predicted_tokens):
+            prompt.add_metric([replica], self.prompt_tokens.get(replica, 0))
             predicted.add_metric([replica], self.predicted_tokens[replica])
             actual.add_metric([replica], self.actual_tokens[replica])
             corrections.add_metric([replica], self.corrections.get(replica, 0))
+        yield prompt
         yield predicted
         yield actual
         yield corrections
@@ -150,6 +215,27 @@ class Metrics(Collector):
         )
         error.add_metric([], self.prediction_error.family_buckets(), self.prediction_error.total)
         yield error
+
+        index = self.index
+        entries = index.entries if index is not None else 0
+        yield GaugeMetricFamily(
+            "kvlb_prefix_index_entries", "(replica, prompt block) entries in the prefix index", value=entries
+        )
+        yield GaugeMetricFamily(
+            "kvlb_prefix_index_bytes",
+            f"Estimated memory of the prefix index: entries x {INDEX_BYTES_PER_ENTRY} bytes",
+            value=entries * INDEX_BYTES_PER_ENTRY,
+        )
+        evictions = CounterMetricFamily(
+            "kvlb_prefix_index_evictions",
+            "Prefix-index entries evicted: past index_ttl_s (ttl), past a replica's KV capacity, "
+            "oldest first (capacity), past index_max_entries (budget)",
+            labels=["reason"],
+        )
+        evictions.add_metric(["ttl"], index.evicted_ttl if index is not None else 0)
+        evictions.add_metric(["capacity"], index.evicted_capacity if index is not None else 0)
+        evictions.add_metric(["budget"], index.evicted_budget if index is not None else 0)
+        yield evictions
 
         # Load and health are read from the fleet, their one source of truth.
         in_flight = GaugeMetricFamily(

@@ -23,7 +23,18 @@ from balancer.http_server import Headers, Request, ResponseStream
 from balancer.metrics import Metrics
 from balancer.routing import CacheTracker, Routed
 from balancer.upstream import UpstreamError, UpstreamPool, UpstreamResponse
-from balancer.usage import usage_from_body, usage_from_sse
+from balancer.usage import (
+    CACHED_MARK,
+    META_MARK,
+    USAGE_MARK,
+    TokenCounts,
+    counts_from_sse,
+    counts_of,
+    has_usage,
+    parse_json,
+    usage_from_sse,
+    usage_of,
+)
 from policies.base import Choice
 
 log = logging.getLogger("kvlb.proxy")
@@ -56,6 +67,13 @@ class Outcome:
     # Set once response headers went to the client: from then on nothing can be retried.
     stream: ResponseStream | None = None
     sse: bool = False
+    model: str = ""  # the request's `model`, "" when it names none
+    error: str = ""  # the code of the balancer's own error answer, if it gave one
+    answered: bool = False  # a replica's answer is being (or was) relayed
+    # Loop time when the answer's first byte went to the client (a whole non-streamed answer).
+    first_byte_at: float | None = None
+    # What the replica reported, when it did (read only while the access log is on).
+    tokens: TokenCounts | None = None
 
 
 async def end_broken_response(request: Request, outcome: Outcome, reason: str) -> None:
@@ -124,6 +142,8 @@ class Proxy:
         self.max_attempts = settings.retries.max_attempts
         self.expose_replica = settings.headers.expose_replica
         self.id_header = settings.headers.request_id
+        # Token counts are for the access log only: without it, no answer is parsed for them.
+        self.read_usage = settings.logging.access_log
 
     async def forward(
         self,
@@ -186,7 +206,7 @@ class Proxy:
                     breaker.succeeded()
                 self.metrics.count_attempt(replica.name, "ok")
                 outcome.status = resp.status
-                answered = True
+                answered = outcome.answered = True
                 await self._relay(request, resp, replica, request_id, outcome, routed, extra_headers)
                 return
             finally:
@@ -241,7 +261,9 @@ class Proxy:
             return
         lesson = self.tracker.learn(routed, replica, *usage)
         if lesson is not None:
-            self.metrics.observe_lesson(replica.name, lesson.predicted, lesson.actual, lesson.corrected)
+            self.metrics.observe_lesson(
+                replica.name, lesson.predicted, lesson.actual, lesson.corrected, routed.prompt_tokens
+            )
 
     async def _relay(
         self,
@@ -265,21 +287,39 @@ class Proxy:
                 async with asyncio.timeout(idle_s):
                     data = await resp.read(BUFFER_LIMIT_BYTES)
             request.respond(resp.status, headers, data)
+            outcome.first_byte_at = asyncio.get_running_loop().time()
+            read_usage = self.read_usage and has_usage(data)
+            payload = parse_json(data) if read_usage or (tracker is not None and CACHED_MARK in data) else None
+            if read_usage:
+                outcome.tokens = counts_of(payload)
             if tracker is not None:
                 tracker.first_byte(routed)
-                self._learn(routed, replica, usage_from_body(data))
+                self._learn(routed, replica, usage_of(payload))
             return
 
         stream = await request.start_stream(resp.status, headers, length)
         outcome.stream, outcome.sse = stream, is_sse
         loop = asyncio.get_running_loop()
+        read_usage = self.read_usage and is_sse
+        # The last chunk with token counts, and the one after it (an event may straddle them):
+        # parsed once, when the stream ends.
+        usage_chunk: bytes | None = None
+        usage_next: bytes | None = None
         try:
             # One timer for the whole stream, pushed back on every chunk: a stream may last
             # minutes, but no gap between chunks may exceed stream_idle_s.
             async with asyncio.timeout(idle_s) as idle:
                 async for chunk in resp.iter_chunks():
                     await stream.write(chunk)
-                    idle.reschedule(loop.time() + idle_s)
+                    now = loop.time()
+                    idle.reschedule(now + idle_s)
+                    if outcome.first_byte_at is None:
+                        outcome.first_byte_at = now
+                    if read_usage:
+                        if USAGE_MARK in chunk or META_MARK in chunk:
+                            usage_chunk, usage_next = chunk, None
+                        elif usage_chunk is not None and usage_next is None:
+                            usage_next = chunk
                     if tracker is not None:
                         tracker.first_byte(routed)
                         if not routed.learned:
@@ -291,4 +331,7 @@ class Proxy:
                 request, outcome, f"the stream from replica {replica.name} broke: {exc.__class__.__name__}"
             )
             return
+        finally:
+            if usage_chunk is not None:
+                outcome.tokens = counts_from_sse(usage_chunk + usage_next if usage_next else usage_chunk)
         await stream.end()

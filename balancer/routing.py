@@ -51,6 +51,10 @@ class Lesson:
 
 
 class CacheTracker:
+    # Called with (replica name, the prompt's block hashes) each time a request is sent: how
+    # other instances learn this one's decisions (balancer/sync.py).
+    on_record: Callable[[str, Sequence[int]], None] | None = None
+
     def __init__(self, settings: RoutingSettings, clock: Callable[[], float]) -> None:
         self.hasher = PrefixHasher(settings.block_chars, settings.tokens_per_char)
         self.index = PrefixIndex(
@@ -85,6 +89,8 @@ class CacheTracker:
             self.index.last_use(replica.name, routed.hashes[blocks - 1]) if blocks else None
         )
         self.index.record(replica.name, routed.hashes)
+        if self.on_record is not None:
+            self.on_record(replica.name, routed.hashes)
 
     def first_byte(self, routed: Routed) -> None:
         """The replica has answered: its prefill is done."""

@@ -24,11 +24,13 @@ from balancer.errors import JSON_HEADERS, ClientError
 from balancer.fleet import FULL, Fleet, Replica
 from balancer.health import HealthChecker
 from balancer.http_server import Headers, HttpServer, Request, ServerLimits
+from balancer.logs import LOG_FIELDS
 from balancer.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from balancer.metrics import NO_REPLICA, Metrics
 from balancer.proxy import Outcome, Proxy, end_broken_response
 from balancer.request import SESSION_HEADER, parse_request
 from balancer.routing import CacheTracker
+from balancer.sync import StateSync, SyncCollector
 from balancer.upstream import UpstreamPool
 from policies.base import Choice, Policy, RequestFeatures
 from policies.registry import make_policy
@@ -77,8 +79,13 @@ class Balancer:
         # Prefix hashing and the index cost CPU on every request: only for policies that use them.
         self.tracker = CacheTracker(settings.routing, time.monotonic) if self.policy.needs_prompt else None
         if self.tracker is not None:
+            self.metrics.index = self.tracker.index
             for replica in self.fleet.replicas:
                 self.tracker.index.set_capacity(replica.name, replica.kv_capacity_tokens)
+        self.sync: StateSync | None = None
+        if settings.sync.redis_url is not None:
+            self.sync = StateSync(settings.sync, self.fleet, self.tracker)
+            self.metrics.registry.register(SyncCollector(self.sync.stats))
         key = replica_key(settings.auth)
         self.proxy = Proxy(
             settings, self.metrics, self.pool, self.tracker, self.fleet.released,
@@ -138,8 +145,12 @@ class Balancer:
         self._tasks = [asyncio.create_task(discovery.run()), asyncio.create_task(health.run())]
         if self.settings.replica_sets:
             self._tasks.append(asyncio.create_task(self.dns.run()))
+        if self.sync is not None:
+            await self.sync.start()
 
     async def stop(self) -> None:
+        if self.sync is not None:
+            await self.sync.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -265,13 +276,13 @@ class Balancer:
             if admitted:
                 self.admission.release()
             elapsed = loop.time() - started
-            self.metrics.observe_request(route, outcome.replica, outcome.status, elapsed)
-            if self.access_log:
-                access_log.info(
-                    "%s %s %s %d replica=%s attempts=%d %.1fms id=%s",
-                    request.remote, request.method, route, outcome.status, outcome.replica,
-                    len(outcome.attempts), elapsed * 1000, request_id,
-                )
+            ttft = None if outcome.first_byte_at is None else outcome.first_byte_at - started
+            # A model no replica serves is the client's free text: kept out of the labels.
+            model = "" if outcome.error == "model_not_found" else outcome.model
+            failover = outcome.answered and len(outcome.attempts) > 1
+            self.metrics.observe_request(route, outcome.replica, outcome.status, elapsed, model, ttft, failover)
+            if self.access_log and access_log.isEnabledFor(logging.INFO):
+                log_access(request, route, request_id, outcome, elapsed, ttft)
 
     async def _candidates(self, model: str | None, allowed: frozenset[str] | None) -> list[Replica]:
         """The replicas that may take the request now; when every one is at its
@@ -291,6 +302,7 @@ class Balancer:
 
     def _refuse(self, request: Request, exc: ClientError, request_id: str, outcome: Outcome) -> None:
         outcome.status = exc.status
+        outcome.error = exc.code
         if exc.status != 502:
             outcome.replica = NO_REPLICA
         headers = exc.headers()
@@ -299,13 +311,18 @@ class Balancer:
 
     async def _forward(self, request: Request, route: str, request_id: str, outcome: Outcome) -> None:
         self.auth.check(request.header("authorization"), asyncio.get_running_loop().time())
+        clock = time.perf_counter
+        parse_began = clock()
         features = parse_request(
             route, request.body, request.header(SESSION_HEADER), with_prompt=self.policy.needs_prompt
         )
+        parse_s = clock() - parse_began
+        outcome.model = features.model or ""
         allowed = request.header(self._allowed_header)
         candidates = await self._candidates(
             features.model, allowed_regions(allowed) if allowed is not None else None
         )
+        rank_began = clock()
         routed = None
         if self.tracker is not None and features.prompt is not None:
             routed = self.tracker.predict(features.prompt)
@@ -320,6 +337,7 @@ class Balancer:
                 origin_region=request.header(self._region_header) or self.settings.routing.region,
             )
         ranking = self.policy.rank(features, candidates)
+        self.metrics.observe_decision(route, parse_s + clock() - rank_began)
         explained = explain(ranking) if self._route_header or log.isEnabledFor(logging.DEBUG) else None
         if explained is not None:
             log.debug("request %s %s model %s: %s", request_id, route, features.model, explained)
@@ -356,6 +374,46 @@ class Balancer:
 
     def metrics_page(self, request: Request) -> None:
         request.respond(200, [("Content-Type", METRICS_CONTENT_TYPE)], self.metrics.render())
+
+
+def log_access(
+    request: Request, route: str, request_id: str, outcome: Outcome, elapsed: float, ttft: float | None
+) -> None:
+    """One line per forwarded request: text for people, and the same facts as separate keys
+    (`extra`) for the JSON formatter. Token counts appear when the replica reported them."""
+    tokens = outcome.tokens
+    fields = {
+        "request_id": request_id,
+        "remote": request.remote,
+        "method": request.method,
+        "route": route,
+        "model": outcome.model,
+        "replica": outcome.replica,
+        "status": outcome.status,
+        "attempts": len(outcome.attempts),
+        "ttft_ms": None if ttft is None else round(ttft * 1000, 1),
+        "duration_ms": round(elapsed * 1000, 1),
+        "prompt_tokens": tokens.prompt if tokens is not None else None,
+        "cached_tokens": tokens.cached if tokens is not None else None,
+        "output_tokens": tokens.output if tokens is not None else None,
+        "error": outcome.error or None,
+    }
+    model = outcome.model
+    if not model.isprintable() or " " in model:
+        model = ascii(model)  # the client's text: one line, one field
+    access_log.info(
+        "%s %s %s %d replica=%s model=%s attempts=%d ttft=%s duration=%.1fms "
+        "prompt_tokens=%s cached_tokens=%s output_tokens=%s error=%s id=%s",
+        request.remote, request.method, route, outcome.status, outcome.replica, model or "-",
+        len(outcome.attempts), "-" if ttft is None else f"{ttft * 1000:.1f}ms", elapsed * 1000,
+        _or_dash(fields["prompt_tokens"]), _or_dash(fields["cached_tokens"]),
+        _or_dash(fields["output_tokens"]), outcome.error or "-", request_id,
+        extra={LOG_FIELDS: fields},
+    )
+
+
+def _or_dash(value: int | None) -> int | str:
+    return "-" if value is None else value
 
 
 def allowed_regions(header: str) -> frozenset[str]:

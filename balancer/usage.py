@@ -1,19 +1,85 @@
-"""Reading what a replica says it had cached, from answers that pass through untouched.
+"""Reading what a replica says it had cached, and the token counts of an answer, from
+answers that pass through untouched.
 
 OpenAI routes (vLLM, SGLang): `usage.prompt_tokens` and
 `usage.prompt_tokens_details.cached_tokens`, in the body or, when streaming, in the final
 chunk if the client asked for `stream_options.include_usage`. SGLang's /generate:
 `meta_info.prompt_tokens` and `meta_info.cached_tokens`, in every event.
 Learning is best effort: what cannot be read is skipped, never an error for the client.
+
+The access log's token counts (prompt, cached, output: `usage.completion_tokens` or
+`meta_info.completion_tokens`) come from the same objects. The proxy reads them only while the
+access log is on, parses a body only when it contains `"usage"` or `"meta_info"`, and of a
+stream parses only the last chunk with one of those marks (the final usage chunk, or SGLang's
+last event, which has the final counts), once the stream has ended.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 CACHED_MARK = b'"cached_tokens"'
+USAGE_MARK = b'"usage"'
+META_MARK = b'"meta_info"'
+
+
+@dataclass(frozen=True, slots=True)
+class TokenCounts:
+    """An answer's token counts as its replica reported them; None where it did not say."""
+
+    prompt: int | None
+    cached: int | None
+    output: int | None
+
+
+def has_usage(data: bytes) -> bool:
+    return USAGE_MARK in data or META_MARK in data
+
+
+def parse_json(body: bytes) -> Any:
+    """The parsed body, or None when it is not JSON."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def counts_of(payload: Any) -> TokenCounts | None:
+    """The token counts of a parsed answer or event, if it carries any."""
+    if not isinstance(payload, dict):
+        return None
+    usage = payload.get("usage")
+    if isinstance(usage, dict):
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        prompt, output = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    else:
+        meta = payload.get("meta_info")
+        if not isinstance(meta, dict):
+            return None
+        prompt, cached, output = meta.get("prompt_tokens"), meta.get("cached_tokens"), meta.get("completion_tokens")
+    counts = TokenCounts(_int_or_none(prompt), _int_or_none(cached), _int_or_none(output))
+    return None if counts == TokenCounts(None, None, None) else counts
+
+
+def counts_from_sse(chunk: bytes) -> TokenCounts | None:
+    """From the last whole `data:` event in `chunk` that carries token counts."""
+    for line in reversed(chunk.split(b"\n")):
+        if line.startswith(b"data:") and has_usage(line):
+            try:
+                found = counts_of(orjson.loads(line[5:]))
+            except orjson.JSONDecodeError:
+                continue  # an event cut across chunks: skip it
+            if found is not None:
+                return found
+    return None
 
 
 def usage_of(payload: Any) -> tuple[int, int] | None:
@@ -33,15 +99,6 @@ def usage_of(payload: Any) -> tuple[int, int] | None:
     if isinstance(prompt, int) and isinstance(cached, int) and prompt > 0:
         return prompt, cached
     return None
-
-
-def usage_from_body(body: bytes) -> tuple[int, int] | None:
-    if CACHED_MARK not in body:
-        return None
-    try:
-        return usage_of(orjson.loads(body))
-    except orjson.JSONDecodeError:
-        return None
 
 
 def usage_from_sse(chunk: bytes) -> tuple[int, int] | None:

@@ -107,6 +107,9 @@ async def test_access_log_lines_name_route_status_and_replica(tmp_path: Path) ->
         assert len(access) == 1
         assert "POST /v1/completions 200 replica=only" in access[0]["message"]
         assert "id=trace-me" in access[0]["message"]
+        # The same facts as keys of their own, for log pipelines.
+        assert (access[0]["request_id"], access[0]["replica"], access[0]["status"]) == ("trace-me", "only", 200)
+        assert access[0]["model"] == "stub-model" and access[0]["output_tokens"] == 8
 
 
 async def test_sigterm_lets_streams_in_flight_finish_then_exits_0() -> None:

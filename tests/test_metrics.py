@@ -56,12 +56,13 @@ async def test_requests_by_route_replica_status_and_in_flight() -> None:
             pending.cancel()
             await asyncio.gather(pending, return_exceptions=True)
 
-    def requests(replica: str, status: str, route: str = "/v1/completions") -> float:
-        return samples[("kvlb_requests_total", (("replica", replica), ("route", route), ("status", status)))]
+    def requests(model: str, replica: str, status: str, route: str = "/v1/completions") -> float:
+        labels = (("model", model), ("replica", replica), ("route", route), ("status", status))
+        return samples[("kvlb_requests_total", labels)]
 
-    assert requests("good", "200") == 3
-    assert requests("none", "404") == 1
-    assert requests("dead", "502") == 1
+    assert requests("stub-model", "good", "200") == 3
+    assert requests("", "none", "404") == 1  # a model nobody serves stays out of the labels
+    assert requests("dead-model", "dead", "502") == 1
     assert samples[("kvlb_request_duration_seconds_count", (("route", "/v1/completions"),))] == 5
     assert samples[("kvlb_in_flight_requests", (("replica", "slow"),))] == 1
     assert samples[("kvlb_in_flight_requests", (("replica", "good"),))] == 0

@@ -1,0 +1,281 @@
+"""Routing state shared between kvlb instances through Redis, so several route as one.
+
+Three things travel, all in background tasks; a request never waits for Redis:
+
+- Routing events. Each request sent to a replica becomes (instance, replica, time, the
+  prompt's block hashes) on one Redis stream (`<prefix>:routes`, trimmed to about
+  `stream_max_len`). Each instance reads the stream and records the others' events in its own
+  prefix index, so a conversation's next turn finds its replica whichever instance it reaches.
+  Events wait in a bounded queue and leave in batches every `publish_interval_s`.
+- Load. Every `load_interval_s` each instance writes its own per-replica in-flight requests,
+  queued prefill tokens and decoding requests under `<prefix>:instance:<id>`, expiring after
+  `load_ttl_s`, and reads the others' keys: a replica's load is this instance's own plus the
+  peers' last snapshots (`Replica.set_remote_load`).
+- Membership. That key is also the heartbeat: an instance that dies stops refreshing it, and
+  its load vanishes from everyone's view within `load_ttl_s`.
+
+When Redis is unreachable or slow each command gives up after `timeout_s`; the instance
+routes on its own state, logs one warning, counts the errors, drops the peers' load once it
+is older than `load_ttl_s`, and picks up the stream where it left off when Redis returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import time
+from array import array
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from redis.exceptions import RedisError
+
+from balancer.config import SyncSettings
+from balancer.fleet import Fleet
+from balancer.routing import CacheTracker
+
+log = logging.getLogger("kvlb.sync")
+
+READ_BATCH = 1000
+# The lag histogram's upper bounds, seconds: decisions should reach peers within milliseconds.
+LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, float("inf"))
+RETRY_S = (0.2, 0.5, 1.0, 2.0)
+
+
+def default_instance_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+class SyncStats:
+    """Counts for /metrics; plain numbers, so the request path pays an increment at most."""
+
+    def __init__(self) -> None:
+        self.connected = False
+        self.peers = 0
+        self.published = 0
+        self.applied = 0
+        self.dropped = 0
+        self.errors = 0
+        self.lag_counts = [0] * len(LAG_BUCKETS)
+        self.lag_sum = 0.0
+
+    def observe_lag(self, seconds: float) -> None:
+        self.lag_sum += seconds
+        for i, bound in enumerate(LAG_BUCKETS):
+            if seconds <= bound:
+                self.lag_counts[i] += 1
+                return
+
+
+class SyncCollector:
+    """The `kvlb_sync_*` metrics, registered only when sync is on."""
+
+    def __init__(self, stats: SyncStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        s = self.stats
+        yield GaugeMetricFamily("kvlb_sync_connected", "1 while Redis answers, 0 while routing on local state only", value=float(s.connected))
+        yield GaugeMetricFamily("kvlb_sync_peers", "Other kvlb instances with a live load snapshot", value=s.peers)
+        yield CounterMetricFamily("kvlb_sync_events_published", "Routing events sent to Redis", value=s.published)
+        yield CounterMetricFamily("kvlb_sync_events_applied", "Other instances' routing events recorded in this index", value=s.applied)
+        yield CounterMetricFamily("kvlb_sync_events_dropped", "Routing events dropped because Redis stayed away longer than the queue holds", value=s.dropped)
+        yield CounterMetricFamily("kvlb_sync_errors", "Redis commands that failed or timed out", value=s.errors)
+        buckets, running = [], 0
+        for bound, count in zip(LAG_BUCKETS, s.lag_counts, strict=True):
+            running += count
+            buckets.append(("+Inf" if bound == float("inf") else str(bound), running))
+        lag = HistogramMetricFamily("kvlb_sync_lag_seconds", "From another instance's routing decision to its recording here")
+        lag.add_metric([], buckets, s.lag_sum)
+        yield lag
+
+
+class StateSync:
+    def __init__(self, settings: SyncSettings, fleet: Fleet, tracker: CacheTracker | None) -> None:
+        assert settings.redis_url is not None
+        self.settings = settings
+        self.fleet = fleet
+        self.tracker = tracker
+        self.instance_id = settings.instance_id or default_instance_id()
+        self.stats = SyncStats()
+        self.stream_key = f"{settings.key_prefix}:routes"
+        self.instance_prefix = f"{settings.key_prefix}:instance:"
+        self.redis = aioredis.Redis.from_url(
+            settings.redis_url,
+            socket_timeout=settings.timeout_s,
+            socket_connect_timeout=settings.timeout_s,
+        )
+        # A separate connection for the blocking stream read, so it never holds up the others.
+        self.reader = aioredis.Redis.from_url(
+            settings.redis_url,
+            socket_timeout=settings.timeout_s + 1.0,
+            socket_connect_timeout=settings.timeout_s,
+        )
+        self._pending: deque[tuple[str, float, bytes]] = deque()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_id = "$"
+        self._peers_seen_at = 0.0
+        self._down_since: float | None = None
+        if tracker is not None:
+            tracker.on_record = self.routed
+
+    # -- the request path: an append, nothing more ---------------------------------------
+
+    def routed(self, replica: str, hashes: Sequence[int]) -> None:
+        if len(self._pending) >= self.settings.max_pending_events:
+            self._pending.popleft()
+            self.stats.dropped += 1
+        self._pending.append((replica, time.time(), array("Q", hashes).tobytes()))
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._keep(self._publish_once, self.settings.publish_interval_s)),
+            loop.create_task(self._keep(self._exchange_load, self.settings.load_interval_s)),
+        ]
+        if self.tracker is not None:
+            self._tasks.append(loop.create_task(self._keep(self._consume_once, 0.0)))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        # Leave at once rather than after the TTL; best effort, Redis may be the reason we stop.
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            await self._publish_once()
+            await self.redis.delete(self.instance_prefix + self.instance_id)
+        for replica in self.fleet.replicas:
+            replica.set_remote_load(0, 0, 0)
+        for client in (self.redis, self.reader):
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                await client.aclose()
+
+    async def _keep(self, step: Any, interval_s: float) -> None:
+        """Run `step` every `interval_s` for ever, surviving Redis outages."""
+        failures = 0
+        while True:
+            try:
+                await step()
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._failed(exc)
+                failures += 1
+                await asyncio.sleep(RETRY_S[min(failures, len(RETRY_S)) - 1])
+                continue
+            if failures or not self.stats.connected:
+                self._recovered()
+            failures = 0
+            if interval_s:
+                await asyncio.sleep(interval_s)
+
+    def _failed(self, exc: BaseException) -> None:
+        self.stats.errors += 1
+        if self.stats.connected or self._down_since is None:
+            log.warning("redis at %s unreachable (%s); routing on this instance's own state until it returns",
+                        self.settings.redis_url, exc.__class__.__name__)
+            self._down_since = time.monotonic()
+        self.stats.connected = False
+        if time.monotonic() - self._peers_seen_at > self.settings.load_ttl_s:
+            self._forget_peers()
+
+    def _recovered(self) -> None:
+        if self._down_since is not None:
+            log.warning("redis at %s reachable again after %.1f s; sharing state", self.settings.redis_url,
+                        time.monotonic() - self._down_since)
+            self._down_since = None
+        self.stats.connected = True
+
+    # -- routing events --------------------------------------------------------------------
+
+    async def _publish_once(self) -> None:
+        if not self._pending:
+            return
+        batch = list(self._pending)
+        pipe = self.redis.pipeline(transaction=False)
+        for replica, at, hashes in batch:
+            pipe.xadd(
+                self.stream_key,
+                {b"i": self.instance_id, b"r": replica, b"t": repr(at), b"h": hashes},
+                maxlen=self.settings.stream_max_len,
+                approximate=True,
+            )
+        await pipe.execute()
+        # Only what was sent leaves the queue; newer events stay for the next batch.
+        for _ in batch:
+            self._pending.popleft()
+        self.stats.published += len(batch)
+
+    async def _consume_once(self) -> None:
+        block_ms = int(max(self.settings.timeout_s, 0.1) * 1000)
+        answer = await self.reader.xread({self.stream_key: self._last_id}, count=READ_BATCH, block=block_ms)
+        if not answer:
+            if self._last_id == "$":
+                # Nothing new yet: read on from the stream's current end, so events written
+                # while the next read is on its way are not missed.
+                self._last_id = await self._stream_end()
+            return
+        me = self.instance_id.encode()
+        record = self.tracker.index.record  # type: ignore[union-attr]
+        known = self.fleet.by_name
+        now = time.time()
+        for _stream, entries in answer:
+            for entry_id, fields in entries:
+                self._last_id = entry_id
+                if fields.get(b"i") == me:
+                    continue
+                replica = fields.get(b"r", b"").decode()
+                if replica not in known:
+                    continue  # a replica this instance does not route to
+                hashes = array("Q")
+                hashes.frombytes(fields.get(b"h", b""))
+                record(replica, hashes.tolist())
+                self.stats.applied += 1
+                with contextlib.suppress(ValueError):
+                    self.stats.observe_lag(max(0.0, now - float(fields.get(b"t", b"0"))))
+
+    async def _stream_end(self) -> str:
+        last = await self.redis.xrevrange(self.stream_key, count=1)
+        return last[0][0] if last else "0-0"
+
+    # -- load and membership ---------------------------------------------------------------
+
+    async def _exchange_load(self) -> None:
+        mine = {replica.name: replica.local_load() for replica in self.fleet.replicas}
+        ttl_ms = int(self.settings.load_ttl_s * 1000)
+        await self.redis.set(self.instance_prefix + self.instance_id, orjson.dumps(mine), px=ttl_ms)
+        keys = [key async for key in self.redis.scan_iter(match=self.instance_prefix + "*", count=1000)]
+        own = (self.instance_prefix + self.instance_id).encode()
+        keys = [key for key in keys if key != own]
+        snapshots = await self.redis.mget(keys) if keys else []
+        totals: dict[str, list[int]] = {}
+        peers = 0
+        for raw in snapshots:
+            if raw is None:
+                continue  # lapsed between the scan and the read
+            peers += 1
+            with contextlib.suppress(orjson.JSONDecodeError, TypeError, ValueError):
+                for name, load in orjson.loads(raw).items():
+                    total = totals.setdefault(name, [0, 0, 0])
+                    for i in range(3):
+                        total[i] += int(load[i])
+        for replica in self.fleet.replicas:
+            replica.set_remote_load(*totals.get(replica.name, (0, 0, 0)))
+        self.stats.peers = peers
+        self._peers_seen_at = time.monotonic()
+
+    def _forget_peers(self) -> None:
+        for replica in self.fleet.replicas:
+            replica.set_remote_load(0, 0, 0)
+        self.stats.peers = 0
