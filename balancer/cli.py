@@ -41,11 +41,11 @@ def _serve_settings(args: argparse.Namespace) -> Settings:
     )
 
 
-async def _serve(settings: Settings, config_path: str | None) -> None:
+async def _serve(settings: Settings, config_path: str | None, reuse_port: bool = False) -> None:
     from balancer.reload import reload_file
     from balancer.server import start_balancer
 
-    running = await start_balancer(settings)
+    running = await start_balancer(settings, reuse_port=reuse_port)
     running.balancer.config_path = config_path
     log.info(
         "kvlb listening on http://%s:%d with %d replica(s), policy %s",
@@ -81,15 +81,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"kvlb: {problem}", file=sys.stderr)
         return 2
     configure_logging(settings.logging.level, settings.logging.format)
+    if args.workers < 1:
+        print("kvlb: --workers must be at least 1", file=sys.stderr)
+        return 2
+    if args.workers > 1:
+        from balancer.workers import supervise
+
+        if settings.sync.redis_url is None:
+            log.warning("%d workers without sync.redis_url: each routes on its own state", args.workers)
+        return supervise(args.workers, _worker_argv(), settings.listen.port)
     import uvloop
 
     try:
-        uvloop.run(_serve(settings, args.config))
+        uvloop.run(_serve(settings, args.config, reuse_port=args.reuse_port))
     except ConfigError as exc:  # found at start: key files, environment variables
         for problem in exc.problems:
             print(f"kvlb: {problem}", file=sys.stderr)
         return 2
     return 0
+
+
+def _worker_argv() -> list[str]:
+    """This command line as one worker runs it: same arguments, one process, shared port."""
+    argv, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if arg == "--workers":
+            skip = True
+            continue
+        if arg.startswith("--workers="):
+            continue
+        argv.append(arg)
+    return [sys.executable, "-m", "balancer.cli", *argv, "--reuse-port"]
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -106,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--policy", help="policy name for --replica mode (default least_load)")
     serve.add_argument("--host", help="listen address for --replica mode (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="listen port for --replica mode (default 8000)")
+    serve.add_argument(
+        "--workers", type=int, default=1,
+        help="processes sharing the listening port (SO_REUSEPORT); set sync.redis_url so they share routing state",
+    )  # fmt: skip
+    serve.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     serve.set_defaults(func=cmd_serve)
 
     check = sub.add_parser("check-config", help="validate a configuration file and print every problem")

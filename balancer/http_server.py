@@ -169,9 +169,13 @@ class HttpServer:
             self._date = formatdate(second, usegmt=True).encode()
         return self._date
 
-    async def listen(self, host: str, port: int, backlog: int = 1024) -> int:
+    async def listen(self, host: str, port: int, backlog: int = 1024, reuse_port: bool = False) -> int:
+        """`reuse_port`: several processes listen on the same port and the kernel spreads the
+        connections over them (kvlb serve --workers)."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), host, port, backlog=backlog)
+        self._server = await loop.create_server(
+            lambda: _Connection(self), host, port, backlog=backlog, reuse_port=reuse_port or None
+        )
         return self._server.sockets[0].getsockname()[1]
 
     async def close(self, grace_s: float = 10.0) -> None:

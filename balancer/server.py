@@ -457,6 +457,7 @@ async def start_balancer(
     *,
     port: int | None = None,
     resolver: Resolver = system_resolver,
+    reuse_port: bool = False,
 ) -> RunningBalancer:
     """Start serving on the configured address (or `port`); returns once it accepts."""
     balancer = Balancer(settings, policy, resolver)
@@ -473,10 +474,14 @@ async def start_balancer(
         admin_server = HttpServer(balancer.handle_admin_listener, error_answer, limits)
     await balancer.start()
     try:
-        bound = await server.listen(settings.listen.host, settings.listen.port if port is None else port)
+        bound = await server.listen(
+            settings.listen.host, settings.listen.port if port is None else port, reuse_port=reuse_port
+        )
         admin_port = None
         if admin_server is not None:
-            admin_port = await admin_server.listen(admin.listen_host or settings.listen.host, admin.listen_port)
+            admin_port = await admin_server.listen(
+                admin.listen_host or settings.listen.host, admin.listen_port, reuse_port=reuse_port
+            )
     except BaseException:
         await server.close(0)
         await balancer.stop()

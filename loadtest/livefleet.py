@@ -76,7 +76,7 @@ class LiveFleet:
         self.replica_args = list(replica_args)
         self.ports: list[int] = []
         self._replicas: list[subprocess.Popen] = []
-        self._router: subprocess.Popen | None = None
+        self._routers: list[subprocess.Popen] = []
         self._tmp = tempfile.TemporaryDirectory(prefix="kvlb-live-")
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
 
@@ -100,13 +100,20 @@ class LiveFleet:
             await wait_for_http(url + "/health", timeout_s=30)
 
     async def start_kvlb(self, policy: str, params: Mapping[str, Any] | None = None, seed: int | None = 0,
-                         routing: Mapping[str, Any] | None = None) -> str:
+                         routing: Mapping[str, Any] | None = None, sync: Mapping[str, Any] | None = None,
+                         replace: bool = True, workers: int = 1) -> str:
+        """kvlb in front of the replicas; `replace=False` adds an instance beside those running
+        (with `sync`, they share routing state)."""
         port = free_port()
-        config = Path(self._tmp.name) / f"kvlb-{policy}-{port}.yaml"
-        config.write_text(yaml.safe_dump(kvlb_config(port, self.replica_urls, policy, params, seed, self.model, routing=routing)))
-        return await self._start_router(
-            [sys.executable, "-m", "balancer.cli", "serve", "--config", str(config)], port, "/ready"
-        )
+        config = kvlb_config(port, self.replica_urls, policy, params, seed, self.model, routing=routing)
+        if sync is not None:
+            config["sync"] = dict(sync)
+        path = Path(self._tmp.name) / f"kvlb-{policy}-{port}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        argv = [sys.executable, "-m", "balancer.cli", "serve", "--config", str(path)]
+        if workers > 1:
+            argv += ["--workers", str(workers)]
+        return await self._start_router(argv, port, "/ready", replace=replace)
 
     async def start_external(self, command_template: str, ready_path: str = "/v1/models") -> str:
         """Another router from a command template: `{port}` is where it must listen, `{workers}`
@@ -118,15 +125,19 @@ class LiveFleet:
         env = dict(self.env, HF_HUB_OFFLINE="1", HF_ENDPOINT="http://127.0.0.1:9")
         return await self._start_router(shlex.split(command), port, ready_path, env)
 
-    async def _start_router(self, argv: list[str], port: int, ready_path: str, env: dict[str, str] | None = None) -> str:
-        self.stop_router()
-        self._router = start_process(argv, env or self.env)
+    async def _start_router(self, argv: list[str], port: int, ready_path: str,
+                            env: dict[str, str] | None = None, replace: bool = True) -> str:
+        if replace:
+            self.stop_router()
+        router = start_process(argv, env or self.env)
+        self._routers.append(router)
         url = f"http://127.0.0.1:{port}"
         try:
             await wait_for_http(url + ready_path, timeout_s=60)
         except TimeoutError:
-            code = self._router.poll()
-            self.stop_router()
+            code = router.poll()
+            stop_process(router)
+            self._routers.remove(router)
             state = f"exited with status {code}" if code is not None else "did not answer"
             raise RuntimeError(f"router {shlex.join(argv)!r} {state} at {url}{ready_path}") from None
         return url
@@ -145,9 +156,10 @@ class LiveFleet:
         return counts
 
     def stop_router(self) -> None:
-        if self._router is not None:
-            stop_process(self._router)
-            self._router = None
+        """Every router started, kvlb instances and external ones."""
+        for router in self._routers:
+            stop_process(router)
+        self._routers = []
 
     def stop_replicas(self) -> None:
         for proc in self._replicas:
