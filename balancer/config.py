@@ -245,7 +245,7 @@ class SyncSettings:
     publish_interval_s: float = _checked(0.01, _positive)  # routing events leave in batches this often
     load_interval_s: float = _checked(0.1, _positive)  # per-replica load snapshot, and peers' read back
     load_ttl_s: float = _checked(1.0, _positive)  # a silent instance's snapshot (and membership) lapses after this
-    stream_max_len: int = _checked(100_000, _at_least(1))  # routing events Redis keeps (approximately)
+    stream_max_len: int = _checked(10_000, _at_least(1))  # batches of routing events Redis keeps per instance (approximately)
     max_pending_events: int = _checked(10_000, _at_least(1))  # events held while Redis is away; oldest dropped
     timeout_s: float = _checked(0.5, _positive)  # per Redis command
 

@@ -2,11 +2,12 @@
 
 Three things travel, all in background tasks; a request never waits for Redis:
 
-- Routing events. Each request sent to a replica becomes (instance, replica, time, the
-  prompt's block hashes) on one Redis stream (`<prefix>:routes`, trimmed to about
-  `stream_max_len`). Each instance reads the stream and records the others' events in its own
-  prefix index, so a conversation's next turn finds its replica whichever instance it reaches.
-  Events wait in a bounded queue and leave in batches every `publish_interval_s`.
+- Routing events. Each request sent to a replica becomes (replica, time, the prompt's block
+  hashes). Events wait in a bounded queue and leave every `publish_interval_s` as one entry
+  per batch on the instance's own Redis stream (`<prefix>:routes:<id>`, trimmed to about
+  `stream_max_len` entries). Each instance reads its peers' streams and records their events
+  in its own prefix index, so a conversation's next turn finds its replica whichever
+  instance it reaches.
 - Load. Every `load_interval_s` each instance writes its own per-replica in-flight requests,
   queued prefill tokens and decoding requests under `<prefix>:instance:<id>`, expiring after
   `load_ttl_s`, and reads the others' keys: a replica's load is this instance's own plus the
@@ -44,7 +45,9 @@ from balancer.routing import CacheTracker
 
 log = logging.getLogger("kvlb.sync")
 
-READ_BATCH = 1000
+READ_BATCH = 1000  # stream entries per read
+MAX_BATCH = 1000  # routing events per stream entry
+STREAM_EXPIRY_S = 3600
 # The lag histogram's upper bounds, seconds: decisions should reach peers within milliseconds.
 LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, float("inf"))
 RETRY_S = (0.2, 0.5, 1.0, 2.0)
@@ -106,7 +109,8 @@ class StateSync:
         self.tracker = tracker
         self.instance_id = settings.instance_id or default_instance_id()
         self.stats = SyncStats()
-        self.stream_key = f"{settings.key_prefix}:routes"
+        self.stream_prefix = f"{settings.key_prefix}:routes:"
+        self.stream_key = self.stream_prefix + self.instance_id
         self.instance_prefix = f"{settings.key_prefix}:instance:"
         self.redis = aioredis.Redis.from_url(
             settings.redis_url,
@@ -121,7 +125,9 @@ class StateSync:
         )
         self._pending: deque[tuple[str, float, bytes]] = deque()
         self._tasks: list[asyncio.Task[None]] = []
-        self._last_id = "$"
+        # Per peer stream, the id of the last entry read; a peer seen for the first time is
+        # read from the start of its (bounded) stream, which is how a new instance warms up.
+        self._last_ids: dict[str, bytes | str] = {}
         self._peers_seen_at = 0.0
         self._down_since: float | None = None
         if tracker is not None:
@@ -156,7 +162,7 @@ class StateSync:
         # Leave at once rather than after the TTL; best effort, Redis may be the reason we stop.
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             await self._publish_once()
-            await self.redis.delete(self.instance_prefix + self.instance_id)
+            await self.redis.delete(self.instance_prefix + self.instance_id, self.stream_key)
         for replica in self.fleet.replicas:
             replica.set_remote_load(0, 0, 0)
         for client in (self.redis, self.reader):
@@ -200,17 +206,21 @@ class StateSync:
     # -- routing events --------------------------------------------------------------------
 
     async def _publish_once(self) -> None:
+        """One stream entry per batch, not per event: Redis work and the peers' reading then
+        grow with the publish rate, not with the request rate."""
         if not self._pending:
             return
-        batch = list(self._pending)
+        batch = list(self._pending)[:MAX_BATCH]
+        index = orjson.dumps([(replica, at, len(hashes) // 8) for replica, at, hashes in batch])
         pipe = self.redis.pipeline(transaction=False)
-        for replica, at, hashes in batch:
-            pipe.xadd(
-                self.stream_key,
-                {b"i": self.instance_id, b"r": replica, b"t": repr(at), b"h": hashes},
-                maxlen=self.settings.stream_max_len,
-                approximate=True,
-            )
+        pipe.xadd(
+            self.stream_key,
+            {b"e": index, b"h": b"".join(hashes for _, _, hashes in batch)},
+            maxlen=self.settings.stream_max_len,
+            approximate=True,
+        )
+        # The stream of an instance that died without cleaning up goes away on its own.
+        pipe.expire(self.stream_key, STREAM_EXPIRY_S)
         await pipe.execute()
         # Only what was sent leaves the queue; newer events stay for the next batch.
         for _ in batch:
@@ -218,36 +228,38 @@ class StateSync:
         self.stats.published += len(batch)
 
     async def _consume_once(self) -> None:
+        """Each instance writes its own stream, so none reads back what it wrote itself."""
         block_ms = int(max(self.settings.timeout_s, 0.1) * 1000)
-        answer = await self.reader.xread({self.stream_key: self._last_id}, count=READ_BATCH, block=block_ms)
-        if not answer:
-            if self._last_id == "$":
-                # Nothing new yet: read on from the stream's current end, so events written
-                # while the next read is on its way are not missed.
-                self._last_id = await self._stream_end()
+        if not self._last_ids:
+            await asyncio.sleep(self.settings.load_interval_s)  # no peer known yet
             return
-        me = self.instance_id.encode()
+        answer = await self.reader.xread(self._last_ids, count=READ_BATCH, block=block_ms)
+        for stream, entries in answer or ():
+            key = stream.decode()
+            for entry_id, fields in entries:
+                self._last_ids[key] = entry_id
+                self._apply(fields)
+
+    def _apply(self, fields: dict[bytes, bytes]) -> None:
+        try:
+            index = orjson.loads(fields[b"e"])
+            hashes = array("Q")
+            hashes.frombytes(fields[b"h"])
+        except (KeyError, ValueError, orjson.JSONDecodeError):
+            self.stats.errors += 1  # not an entry this version of kvlb wrote
+            return
         record = self.tracker.index.record  # type: ignore[union-attr]
         known = self.fleet.by_name
         now = time.time()
-        for _stream, entries in answer:
-            for entry_id, fields in entries:
-                self._last_id = entry_id
-                if fields.get(b"i") == me:
-                    continue
-                replica = fields.get(b"r", b"").decode()
-                if replica not in known:
-                    continue  # a replica this instance does not route to
-                hashes = array("Q")
-                hashes.frombytes(fields.get(b"h", b""))
-                record(replica, hashes.tolist())
-                self.stats.applied += 1
-                with contextlib.suppress(ValueError):
-                    self.stats.observe_lag(max(0.0, now - float(fields.get(b"t", b"0"))))
-
-    async def _stream_end(self) -> str:
-        last = await self.redis.xrevrange(self.stream_key, count=1)
-        return last[0][0] if last else "0-0"
+        offset = 0
+        for replica, at, count in index:
+            path = hashes[offset : offset + count].tolist()
+            offset += count
+            if replica not in known:
+                continue  # a replica this instance does not route to
+            record(replica, path)
+            self.stats.applied += 1
+            self.stats.observe_lag(max(0.0, now - at))
 
     # -- load and membership ---------------------------------------------------------------
 
@@ -258,6 +270,11 @@ class StateSync:
         keys = [key async for key in self.redis.scan_iter(match=self.instance_prefix + "*", count=1000)]
         own = (self.instance_prefix + self.instance_id).encode()
         keys = [key for key in keys if key != own]
+        peer_streams = {self.stream_prefix + key.decode()[len(self.instance_prefix):] for key in keys}
+        for stream in peer_streams - self._last_ids.keys():
+            self._last_ids[stream] = "0-0"
+        for stream in self._last_ids.keys() - peer_streams:
+            del self._last_ids[stream]  # that instance has gone
         snapshots = await self.redis.mget(keys) if keys else []
         totals: dict[str, list[int]] = {}
         peers = 0

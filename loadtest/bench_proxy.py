@@ -65,7 +65,7 @@ async def run_upstream(port: int) -> None:
         await server.serve_forever()
 
 
-async def measure(url: str, concurrency: int, total: int) -> tuple[float, list[float]]:
+async def measure(url: str, concurrency: int, total: int, body: bytes = BODY) -> tuple[float, list[float]]:
     """Closed loop: `concurrency` workers send `total` requests; returns wall time and latencies."""
     latencies: list[float] = []
     connector = aiohttp.TCPConnector(limit=concurrency)
@@ -78,7 +78,7 @@ async def measure(url: str, concurrency: int, total: int) -> tuple[float, list[f
             while remaining > 0:
                 remaining -= 1
                 start = time.perf_counter()
-                async with http.post(url, data=BODY, headers=headers) as resp:
+                async with http.post(url, data=body, headers=headers) as resp:
                     await resp.read()
                     if resp.status != 200:
                         raise RuntimeError(f"HTTP {resp.status}")
@@ -86,7 +86,7 @@ async def measure(url: str, concurrency: int, total: int) -> tuple[float, list[f
 
         # Warm the connection pools on both sides before timing.
         for _ in range(concurrency * 2):
-            async with http.post(url, data=BODY, headers=headers) as resp:
+            async with http.post(url, data=body, headers=headers) as resp:
                 await resp.read()
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
