@@ -69,10 +69,11 @@ def counts_of(payload: Any) -> TokenCounts | None:
     return None if counts == TokenCounts(None, None, None) else counts
 
 
-def counts_from_sse(chunk: bytes) -> TokenCounts | None:
-    """From the last whole `data:` event in `chunk` that carries token counts."""
+def counts_from_sse(chunk: bytes, mark: bytes | None = None) -> TokenCounts | None:
+    """From the last whole `data:` event in `chunk` that carries token counts (and `mark`,
+    when given)."""
     for line in reversed(chunk.split(b"\n")):
-        if line.startswith(b"data:") and has_usage(line):
+        if line.startswith(b"data:") and has_usage(line) and (mark is None or mark in line):
             try:
                 found = counts_of(orjson.loads(line[5:]))
             except orjson.JSONDecodeError:
@@ -82,35 +83,23 @@ def counts_from_sse(chunk: bytes) -> TokenCounts | None:
     return None
 
 
-def usage_of(payload: Any) -> tuple[int, int] | None:
-    """(prompt tokens, cached tokens) from a parsed answer or event, if it carries them."""
-    if not isinstance(payload, dict):
+def _learnable(counts: TokenCounts | None) -> tuple[int, int] | None:
+    """(prompt tokens, cached tokens) when the replica reported both."""
+    if counts is None:
         return None
-    usage = payload.get("usage")
-    if isinstance(usage, dict):
-        details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        prompt = usage.get("prompt_tokens")
-    else:
-        meta = payload.get("meta_info")
-        if not isinstance(meta, dict):
-            return None
-        cached, prompt = meta.get("cached_tokens"), meta.get("prompt_tokens")
-    if isinstance(prompt, int) and isinstance(cached, int) and prompt > 0:
+    prompt, cached = counts.prompt, counts.cached
+    if prompt is not None and cached is not None and prompt > 0:
         return prompt, cached
     return None
 
 
+def usage_of(payload: Any) -> tuple[int, int] | None:
+    """(prompt tokens, cached tokens) from a parsed answer or event, if it carries them."""
+    return _learnable(counts_of(payload))
+
+
 def usage_from_sse(chunk: bytes) -> tuple[int, int] | None:
-    """From the first whole `data:` event in `chunk` that carries cached tokens."""
+    """(prompt tokens, cached tokens) from the events in `chunk` that carry cached tokens."""
     if CACHED_MARK not in chunk:
         return None
-    for line in chunk.split(b"\n"):
-        if line.startswith(b"data:") and CACHED_MARK in line:
-            try:
-                found = usage_of(orjson.loads(line[5:]))
-            except orjson.JSONDecodeError:
-                continue  # an event cut across chunks: skip it
-            if found is not None:
-                return found
-    return None
+    return _learnable(counts_from_sse(chunk, CACHED_MARK))

@@ -21,6 +21,9 @@ async def test_live_and_offline_agree(spec, policy):
     agreement = await measure(spec, policy, replicas=4, time_scale=2.0)
     assert agreement.live_errors == agreement.offline_errors == 0
     assert abs(agreement.hit_gap) <= HIT_TOLERANCE, agreement
-    assert abs(agreement.ttft_gap) <= TTFT_TOLERANCE, agreement
+    # Request by request: on a slice this small the p50 of the whole distribution can sit in
+    # the gap between short and long prompts and jump with a few milliseconds of noise (the
+    # benchmark, python -m loadtest.agreement, compares the p50 itself on 300 requests).
+    assert abs(agreement.ttft_ratio_median - 1) <= TTFT_TOLERANCE, agreement
     if policy == "random":
         assert agreement.offline_hit > 0.2  # the comparison is not between two zeros
