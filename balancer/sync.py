@@ -10,8 +10,10 @@ Three things travel, all in background tasks; a request never waits for Redis:
   instance it reaches.
 - Load. Every `load_interval_s` each instance writes its own per-replica in-flight requests,
   queued prefill tokens and decoding requests under `<prefix>:instance:<id>`, expiring after
-  `load_ttl_s`, and reads the others' keys: a replica's load is this instance's own plus the
-  peers' last snapshots (`Replica.set_remote_load`).
+  `load_ttl_s`, and reads the others' keys; the same snapshot also rides on every stream
+  entry, and an entry goes out when only the load changed, so peers see a request end within
+  a batch interval. A replica's load is this instance's own plus the peers' newest
+  snapshots (`Replica.set_remote_load`).
 - Membership. That key is also the heartbeat: an instance that dies stops refreshing it, and
   its load vanishes from everyone's view within `load_ttl_s`.
 
@@ -128,6 +130,10 @@ class StateSync:
         # Per peer stream, the id of the last entry read; a peer seen for the first time is
         # read from the start of its (bounded) stream, which is how a new instance warms up.
         self._last_ids: dict[str, bytes | str] = {}
+        # Per live peer: (its wall time when it took the snapshot, {replica: [in flight,
+        # queued prefill tokens, decoding]}), the newest from its key or its stream.
+        self._peer_loads: dict[str, tuple[float, dict[str, list[int]]]] = {}
+        self._published_load: dict[str, tuple[int, int, int]] | None = None
         self._peers_seen_at = 0.0
         self._down_since: float | None = None
         if tracker is not None:
@@ -149,8 +155,8 @@ class StateSync:
             loop.create_task(self._keep(self._publish_once, self.settings.publish_interval_s)),
             loop.create_task(self._keep(self._exchange_load, self.settings.load_interval_s)),
         ]
-        if self.tracker is not None:
-            self._tasks.append(loop.create_task(self._keep(self._consume_once, 0.0)))
+        # Peers' streams carry their load too, so they are read whatever the policy.
+        self._tasks.append(loop.create_task(self._keep(self._consume_once, 0.0)))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -208,14 +214,17 @@ class StateSync:
     async def _publish_once(self) -> None:
         """One stream entry per batch, not per event: Redis work and the peers' reading then
         grow with the publish rate, not with the request rate."""
-        if not self._pending:
+        load = self._local_load()
+        if not self._pending and load == self._published_load:
             return
         batch = list(self._pending)[:MAX_BATCH]
         index = orjson.dumps([(replica, at, len(hashes) // 8) for replica, at, hashes in batch])
         pipe = self.redis.pipeline(transaction=False)
+        # The load rides along, so peers learn within a batch interval that a request ended,
+        # rather than at the next snapshot.
         pipe.xadd(
             self.stream_key,
-            {b"e": index, b"h": b"".join(hashes for _, _, hashes in batch)},
+            {b"e": index, b"h": b"".join(hashes for _, _, hashes in batch), b"l": self._snapshot(load)},
             maxlen=self.settings.stream_max_len,
             approximate=True,
         )
@@ -226,6 +235,7 @@ class StateSync:
         for _ in batch:
             self._pending.popleft()
         self.stats.published += len(batch)
+        self._published_load = load
 
     async def _consume_once(self) -> None:
         """Each instance writes its own stream, so none reads back what it wrote itself."""
@@ -236,9 +246,15 @@ class StateSync:
         answer = await self.reader.xread(self._last_ids, count=READ_BATCH, block=block_ms)
         for stream, entries in answer or ():
             key = stream.decode()
+            peer = key[len(self.stream_prefix):]
             for entry_id, fields in entries:
                 self._last_ids[key] = entry_id
-                self._apply(fields)
+                if self.tracker is not None:
+                    self._apply(fields)
+                if b"l" in fields:
+                    self._take_snapshot(peer, fields[b"l"])
+        if answer:
+            self._apply_peer_loads()
 
     def _apply(self, fields: dict[bytes, bytes]) -> None:
         try:
@@ -263,10 +279,39 @@ class StateSync:
 
     # -- load and membership ---------------------------------------------------------------
 
+    def _local_load(self) -> dict[str, tuple[int, int, int]]:
+        return {replica.name: replica.local_load() for replica in self.fleet.replicas}
+
+    @staticmethod
+    def _snapshot(load: dict[str, tuple[int, int, int]]) -> bytes:
+        return orjson.dumps({"t": time.time(), "l": load})
+
+    def _take_snapshot(self, peer: str, raw: bytes) -> None:
+        try:
+            snapshot = orjson.loads(raw)
+            taken, load = float(snapshot["t"]), snapshot["l"]
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            self.stats.errors += 1
+            return
+        known = self._peer_loads.get(peer)
+        if isinstance(load, dict) and (known is None or taken >= known[0]):
+            self._peer_loads[peer] = (taken, load)
+
+    def _apply_peer_loads(self) -> None:
+        totals: dict[str, list[int]] = {}
+        for _, load in self._peer_loads.values():
+            for name, counts in load.items():
+                with contextlib.suppress(TypeError, ValueError, IndexError):
+                    total = totals.setdefault(name, [0, 0, 0])
+                    for i in range(3):
+                        total[i] += int(counts[i])
+        for replica in self.fleet.replicas:
+            replica.set_remote_load(*totals.get(replica.name, (0, 0, 0)))
+        self.stats.peers = len(self._peer_loads)
+
     async def _exchange_load(self) -> None:
-        mine = {replica.name: replica.local_load() for replica in self.fleet.replicas}
         ttl_ms = int(self.settings.load_ttl_s * 1000)
-        await self.redis.set(self.instance_prefix + self.instance_id, orjson.dumps(mine), px=ttl_ms)
+        await self.redis.set(self.instance_prefix + self.instance_id, self._snapshot(self._local_load()), px=ttl_ms)
         keys = [key async for key in self.redis.scan_iter(match=self.instance_prefix + "*", count=1000)]
         own = (self.instance_prefix + self.instance_id).encode()
         keys = [key for key in keys if key != own]
@@ -276,23 +321,18 @@ class StateSync:
         for stream in self._last_ids.keys() - peer_streams:
             del self._last_ids[stream]  # that instance has gone
         snapshots = await self.redis.mget(keys) if keys else []
-        totals: dict[str, list[int]] = {}
-        peers = 0
-        for raw in snapshots:
+        alive = set()
+        for key, raw in zip(keys, snapshots, strict=True):
             if raw is None:
                 continue  # lapsed between the scan and the read
-            peers += 1
-            with contextlib.suppress(orjson.JSONDecodeError, TypeError, ValueError):
-                for name, load in orjson.loads(raw).items():
-                    total = totals.setdefault(name, [0, 0, 0])
-                    for i in range(3):
-                        total[i] += int(load[i])
-        for replica in self.fleet.replicas:
-            replica.set_remote_load(*totals.get(replica.name, (0, 0, 0)))
-        self.stats.peers = peers
+            peer = key.decode()[len(self.instance_prefix):]
+            alive.add(peer)
+            self._take_snapshot(peer, raw)
+        for peer in self._peer_loads.keys() - alive:
+            del self._peer_loads[peer]  # its key lapsed: it died or left
+        self._apply_peer_loads()
         self._peers_seen_at = time.monotonic()
 
     def _forget_peers(self) -> None:
-        for replica in self.fleet.replicas:
-            replica.set_remote_load(0, 0, 0)
-        self.stats.peers = 0
+        self._peer_loads.clear()
+        self._apply_peer_loads()

@@ -108,6 +108,22 @@ async def test_load_on_a_replica_counts_whichever_instance_routed_it(redis_serve
             task.cancel()
 
 
+async def test_a_request_ending_shows_at_peers_within_a_batch_not_a_snapshot(redis_server):
+    # Snapshots every 2 s: only the load riding on stream entries can show changes sooner.
+    slow_snapshots = redis_server.sync_settings(load_interval_s=2.0, load_ttl_s=6.0)
+    async with replicas(1, time_scale=1.0) as urls, \
+            run_balancer(settings(urls, slow_snapshots, policy="least_load")) as a, \
+            run_balancer(settings(urls, slow_snapshots, policy="least_load")) as b, \
+            aiohttp.ClientSession() as http:
+        replica = b.balancer.fleet.replicas[0]
+        await until(lambda: b.balancer.sync.stats.peers == 1, timeout_s=5)
+        await asyncio.sleep(2.1)  # just past a snapshot: the next is 2 s away
+        request = asyncio.create_task(complete(http, a.url, "x y z", max_tokens=30))
+        await until(lambda: replica.remote_in_flight == 1, timeout_s=0.5)
+        await request
+        await until(lambda: replica.remote_in_flight == 0, timeout_s=0.5)
+
+
 async def test_no_redis_never_fails_a_request():
     dead = {"redis_url": f"redis://127.0.0.1:{free_port()}/0", "timeout_s": 0.2}
     async with replicas(2) as urls, run_balancer(settings(urls, dead)) as kvlb, aiohttp.ClientSession() as http:
