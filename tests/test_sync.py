@@ -168,6 +168,7 @@ async def test_redis_going_away_midway_loses_nothing_and_sync_returns(redis_serv
         applied = b.balancer.sync.stats.applied
         status, first = await complete(http, a.url, "after the outage " * 400)
         await until(lambda: b.balancer.sync.stats.applied > applied)
+        await until(lambda: all(r.remote_in_flight == 0 for r in b.balancer.fleet.replicas))
         assert (await complete(http, b.url, "after the outage " * 400 + "more"))[1] == first
 
 
