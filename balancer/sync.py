@@ -50,6 +50,7 @@ log = logging.getLogger("kvlb.sync")
 READ_BATCH = 1000  # stream entries per read
 MAX_BATCH = 1000  # routing events per stream entry
 STREAM_EXPIRY_S = 3600
+MAX_DEPARTED = 1000
 # The lag histogram's upper bounds, seconds: decisions should reach peers within milliseconds.
 LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, float("inf"))
 RETRY_S = (0.2, 0.5, 1.0, 2.0)
@@ -130,6 +131,7 @@ class StateSync:
         # Per peer stream, the id of the last entry read; a peer seen for the first time is
         # read from the start of its (bounded) stream, which is how a new instance warms up.
         self._last_ids: dict[str, bytes | str] = {}
+        self._departed: dict[str, bytes | str] = {}  # positions in streams of peers not seen lately
         # Per live peer: (its wall time when it took the snapshot, {replica: [in flight,
         # queued prefill tokens, decoding]}), the newest from its key or its stream.
         self._peer_loads: dict[str, tuple[float, dict[str, list[int]]]] = {}
@@ -316,10 +318,14 @@ class StateSync:
         own = (self.instance_prefix + self.instance_id).encode()
         keys = [key for key in keys if key != own]
         peer_streams = {self.stream_prefix + key.decode()[len(self.instance_prefix):] for key in keys}
-        for stream in peer_streams - self._last_ids.keys():
-            self._last_ids[stream] = "0-0"
         for stream in self._last_ids.keys() - peer_streams:
-            del self._last_ids[stream]  # that instance has gone
+            # That instance has gone, or only missed its refresh: if it returns, reading
+            # resumes where it stopped instead of replaying its stream.
+            self._departed[stream] = self._last_ids.pop(stream)
+        for stream in peer_streams - self._last_ids.keys():
+            self._last_ids[stream] = self._departed.pop(stream, "0-0")
+        while len(self._departed) > MAX_DEPARTED:
+            del self._departed[next(iter(self._departed))]
         snapshots = await self.redis.mget(keys) if keys else []
         alive = set()
         for key, raw in zip(keys, snapshots, strict=True):

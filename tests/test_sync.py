@@ -49,15 +49,23 @@ async def replicas(count: int, time_scale: float = 10.0) -> AsyncIterator[list[s
 def settings(urls: list[str], sync: dict[str, object], policy: str = "cache_aware"):
     return make_settings(
         [{"url": url, "name": f"replica-{i}", "model": MODEL} for i, url in enumerate(urls)],
-        policy={"name": policy}, sync=sync,
+        policy={"name": policy}, sync=sync, routing={"route_header": True},
     )
 
 
 async def complete(http: aiohttp.ClientSession, base: str, prompt: str, max_tokens: int = 2) -> tuple[int, str | None]:
+    status, replica, _ = await complete_explained(http, base, prompt, max_tokens)
+    return status, replica
+
+
+async def complete_explained(
+    http: aiohttp.ClientSession, base: str, prompt: str, max_tokens: int = 2
+) -> tuple[int, str | None, str | None]:
+    """Also the decision's terms (x-kvlb-route), to say why when a test fails."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}
     async with http.post(base + "/v1/completions", json=body) as resp:
         await resp.read()
-        return resp.status, resp.headers.get("x-kvlb-replica")
+        return resp.status, resp.headers.get("x-kvlb-replica"), resp.headers.get("x-kvlb-route")
 
 
 async def until(condition, timeout_s: float = 5.0) -> None:
@@ -77,13 +85,16 @@ async def test_an_instance_routes_where_another_sent_the_prefix(redis_server):
             prompt = f"conversation {n} " + "shared words " * 800
             status, first = await complete(http, a.url, prompt)
             assert status == 200
-            await until(lambda n=n: b.balancer.sync.stats.applied >= n + 1)
-            # A's load snapshot lags its requests by up to load_interval_s: until it shows
-            # A's request done, B counts that prefill as still queued on A's replica.
+            # B's index learns that A's replica holds the prompt...
+            await until(lambda p=prompt, r=first: b.balancer.tracker.predict(p).cached.get(r, 0) > 0)
+            # ...and, a batch later, that A's request there is done: until then B counts its
+            # prefill as still queued on that replica.
             await until(lambda: all(r.remote_in_flight == 0 for r in b.balancer.fleet.replicas))
             # Spread over four replicas, yet each follow-up through B finds A's choice.
-            status, second = await complete(http, b.url, prompt + " and a follow-up")
-            assert status == 200 and second == first
+            status, second, why = await complete_explained(http, b.url, prompt + " and a follow-up")
+            assert status == 200 and second == first, (first, why, [
+                (r.name, r.in_flight, r.prefill_tokens_queued, r.decoding) for r in b.balancer.fleet.replicas
+            ])
         assert a.balancer.sync.stats.published >= 6 and b.balancer.sync.stats.errors == 0
 
 
@@ -165,11 +176,11 @@ async def test_redis_going_away_midway_loses_nothing_and_sync_returns(redis_serv
         after = await traffic(0.5)
         assert before + during + after == [200] * sent
         # Routing events flow again: a new prefix through A is known to B.
-        applied = b.balancer.sync.stats.applied
-        status, first = await complete(http, a.url, "after the outage " * 400)
-        await until(lambda: b.balancer.sync.stats.applied > applied)
+        prompt = "after the outage " * 400
+        status, first = await complete(http, a.url, prompt)
+        await until(lambda: b.balancer.tracker.predict(prompt).cached.get(first, 0) > 0)
         await until(lambda: all(r.remote_in_flight == 0 for r in b.balancer.fleet.replicas))
-        assert (await complete(http, b.url, "after the outage " * 400 + "more"))[1] == first
+        assert (await complete(http, b.url, prompt + "more"))[1] == first
 
 
 MULTI_TURN = "multi-turn,sessions=30,turns=4,system_tokens=2000,user_tokens=100,output_tokens=32,think_s=3,rate=3"
