@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from balancer.config import PolicySettings, RoutingSettings
-from loadtest.compare import compare_live, read_records
+from loadtest.compare import compare_live
 from loadtest.fleetspec import uniform_fleet
 from loadtest.simulate_cli import run_offline
 from loadtest.workloads import load_workload
@@ -64,12 +64,10 @@ class Agreement:
 
 async def measure(spec: str, policy: str = "cache_aware", replicas: int = 4, time_scale: float = 2.0) -> Agreement:
     workload = load_workload(spec)
+    offline, offline_records = run_offline(
+        workload, uniform_fleet(replicas, PROFILE), PolicySettings(name=policy, seed=0), RoutingSettings()
+    )
     with tempfile.TemporaryDirectory(prefix="kvlb-agreement-") as tmp:
-        offline = run_offline(
-            workload, uniform_fleet(replicas, PROFILE), PolicySettings(name=policy, seed=0), RoutingSettings(),
-            Path(tmp) / "offline",
-        )
-        offline_records = read_records(Path(tmp) / "offline")
         results = await compare_live(
             workload, [policy], Path(tmp), replicas=replicas, profile=PROFILE, time_scale=time_scale,
             progress=False,

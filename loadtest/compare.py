@@ -41,17 +41,8 @@ def compare_offline(
     results: Results = {}
     for name in policies:
         policy, routing = policy_settings(name, policy_config, seed)
-        run_dir = out_dir / name
-        summary = run_offline(workload, fleet, policy, routing, run_dir, progress=progress)
-        results[name] = (summary, read_records(run_dir))
+        results[name] = run_offline(workload, fleet, policy, routing, out_dir / name, progress=progress)
     return results
-
-
-def read_records(run_dir: Path) -> list[RequestRecord]:
-    import orjson
-
-    with open(run_dir / "requests.jsonl", "rb") as f:
-        return [RequestRecord.from_json(orjson.loads(line)) for line in f if line.strip()]
 
 
 async def compare_live(

@@ -18,7 +18,7 @@ from balancer.config import ConfigError, PolicySettings, RoutingSettings, parse_
 from loadtest.fleetspec import FleetError, FleetPlan, load_fleet, uniform_fleet
 from loadtest.replica.profiles import DEFAULT_PROFILE, PROFILES
 from loadtest.simulator import simulate
-from loadtest.summary import summarize, write_results
+from loadtest.summary import RequestRecord, summarize, write_results
 from loadtest.workloads import Workload, WorkloadError, load_workload
 
 HELP = "replay a workload through a routing policy on a virtual fleet, offline"
@@ -80,7 +80,7 @@ def run_offline(
     routing: RoutingSettings,
     out_dir: Path | None = None,
     progress: bool = False,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], list[RequestRecord]]:
     """Simulate, summarize, and write the results when `out_dir` is given."""
     total = len(workload.requests)
     started = time.process_time()
@@ -116,7 +116,7 @@ def run_offline(
     summary = summarize(result.records, result.duration_s, replicas=result.replicas, meta=meta)
     if out_dir is not None:
         write_results(out_dir, result.records, summary)
-    return summary
+    return summary, result.records
 
 
 def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
@@ -167,7 +167,7 @@ def main(args: argparse.Namespace) -> int:
     except (SetupError, ValueError) as exc:
         print(f"kvlb simulate: {exc}", file=sys.stderr)
         return 2
-    summary = run_offline(workload, fleet, policy, routing, Path(args.out), progress=not args.no_progress)
+    summary, _ = run_offline(workload, fleet, policy, routing, Path(args.out), progress=not args.no_progress)
     print_summary(summary)
     sim = summary["simulation"]
     print(f"simulated {summary['duration_s']:.1f} s of traffic in {sim['cpu_seconds']:.1f} s of CPU; wrote {args.out}")

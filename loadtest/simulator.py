@@ -81,7 +81,6 @@ class SimulationResult:
     iterations: int
     decode_runs: int
     events: int
-    meta: dict[str, Any]
 
 
 class Simulator:
@@ -163,7 +162,7 @@ class Simulator:
         start = min((r.send_s for r in records), default=0.0)
         iterations = sum(node.engine.counters.iterations for node in self.nodes.values())
         return SimulationResult(
-            records, end - start, list(self.nodes), iterations, self.decode_runs, self.events, {}
+            records, end - start, list(self.nodes), iterations, self.decode_runs, self.events
         )
 
     # -- the balancer side ---------------------------------------------------------------
@@ -284,10 +283,7 @@ class Simulator:
         start, iterations, end = run
         node.run = None
         engine = node.engine
-        if time >= end:  # pragma: no cover - the run's own STEP event comes first
-            done, end = iterations, end
-        else:
-            done, end = engine.decode_run_times(start, iterations, until=time)
+        done, end = engine.decode_run_times(start, iterations, until=time)
         engine.advance_decode(start, done, end)
         self._schedule_step(node, end)
 
