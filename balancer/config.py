@@ -101,6 +101,12 @@ def _http_url(value: str) -> str:
     return value.rstrip("/")  # the proxy appends request paths that start with '/'
 
 
+_zmq_endpoint = _rule(
+    re.compile(r"(tcp://[^\s/]+:\d{1,5}|ipc://\S+)").fullmatch,
+    "not a ZMQ endpoint (tcp://HOST:PORT or ipc://PATH): {!r}",
+)
+
+
 def _name_from_url(url: str) -> str:
     parts = urlsplit(url)
     host = parts.hostname or ""
@@ -124,6 +130,9 @@ class ReplicaSettings:
     weight: float = _checked(1.0, _positive)
     max_concurrency: int | None = _checked(None, _at_least(1))
     kv_capacity_tokens: int | None = _checked(None, _at_least(1))
+    # The engine's KV event publisher (precise mode). Host `*` makes kvlb bind and the engine
+    # connect, the engines' own rule the other way round.
+    kv_events_endpoint: str | None = _checked(None, _zmq_endpoint)
 
     def __post_init__(self) -> None:
         if self.name is None:
@@ -229,6 +238,24 @@ class AdminSettings:
     listen_port: int | None = _checked(None, _port)
 
 
+@dataclass(frozen=True, slots=True)
+class KvEventsSettings:
+    """Precise mode: the index follows the engines' own KV events (BlockStored, BlockRemoved)
+    instead of predicting what they cache. Replicas name their publishers in
+    `kv_events_endpoint`; prompts are tokenized as the engine tokenizes them."""
+
+    enabled: bool = False
+    block_size: int = _checked(16, _at_least(1))  # the engines' KV block size in tokens (vLLM on CPU: 128)
+    # Model directory holding tokenizer.json and the chat template, for every model; None: ask
+    # a replica's /tokenize (one more round trip per request).
+    tokenizer: str | None = _checked(None, _non_empty)
+    tokenizers: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # per model
+    topic: str = ""  # subscribe to topics starting with this ("" is all)
+    speculative_ttl_s: float = _checked(2.0, _positive)  # a routed prompt counts as cached until its events arrive
+    tokenize_timeout_s: float = _checked(2.0, _positive)  # the /tokenize fallback's deadline
+    max_blocks_per_replica: int = _checked(1_000_000, _at_least(1))  # engine hashes remembered per replica
+
+
 _redis_url = _rule(
     lambda v: v.startswith(("redis://", "rediss://", "unix://")),
     "must start with redis://, rediss:// or unix://, got {!r}",
@@ -314,6 +341,7 @@ class Settings:
     admin: AdminSettings = _section(AdminSettings)
     logging: LoggingSettings = _section(LoggingSettings)
     sync: SyncSettings = _section(SyncSettings)
+    kv_events: KvEventsSettings = _section(KvEventsSettings)
 
 
 # --- validation engine ------------------------------------------------------------------------

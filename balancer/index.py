@@ -204,6 +204,34 @@ class PrefixIndex:
         self._enforce_capacity(replica, rid)
         self._enforce_budget()
 
+    def extend(self, replica: str, parent: int | None, hashes: Sequence[int]) -> bool:
+        """`replica` now holds `hashes`, the blocks that follow block `parent` (None: from
+        the root), as an engine's KV event reports them. False, and nothing recorded, when
+        the replica is not listed as holding `parent`: without the path to it the blocks
+        could never be matched."""
+        path: list[int] = []
+        if parent is not None:
+            rid = self._ids.get(replica)
+            node = self._nodes.get(parent)
+            if rid is None or node is None or not node[_MASK] & 1 << rid:
+                return False
+            h: int | None = parent
+            while h is not None:  # holders of a block hold its ancestors, so the walk is whole
+                path.append(h)
+                h = self._nodes[h][_PARENT]
+            path.reverse()
+        path.extend(hashes)
+        self.record(replica, path)
+        return True
+
+    def discard(self, replica: str, h: int) -> int:
+        """The replica no longer holds block `h` (its engine evicted it): it loses that
+        block and, by prefix semantics, every block under it. Returns how many entries went."""
+        rid = self._ids.get(replica)
+        if rid is None:
+            return 0
+        return self._drop_subtree(rid, h)
+
     def truncate(self, replica: str, hashes: Sequence[int], keep_blocks: int) -> int:
         """The replica reported holding only `keep_blocks` blocks of this prompt (its
         usage.cached_tokens // tokens_per_block). It loses the rest, and every block under
@@ -212,9 +240,11 @@ class PrefixIndex:
         keep = max(keep_blocks, 0)
         if rid is None or keep >= len(hashes):
             return 0
+        return self._drop_subtree(rid, hashes[keep])
+
+    def _drop_subtree(self, rid: int, start: int) -> int:
         bit = 1 << rid
         nodes = self._nodes
-        start = hashes[keep]
         node = nodes.get(start)
         if node is None or not node[_MASK] & bit:
             return 0

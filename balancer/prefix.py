@@ -164,6 +164,13 @@ class PrefixHasher:
         return self.lazy(ids).all()
 
 
+def token_block_hashes(ids: Sequence[int], block_tokens: int, parent: int | None = None) -> list[int]:
+    """Chained hashes of whole blocks of token ids that follow block `parent` (None: the
+    first blocks of a prompt): the keys `PrefixHasher.lazy(ids)` gives the same blocks."""
+    seed = _TOKEN_IDS_SEED if parent is None else parent
+    return BlockHashes(_pack_ids(ids), 4 * block_tokens, seed).all()
+
+
 @lru_cache(maxsize=8)
 def _structs(unit: int) -> tuple[struct.Struct, struct.Struct]:
     return struct.Struct(f"{unit}s"), struct.Struct(f"{unit}s" * 8)

@@ -7,7 +7,7 @@ through unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -39,10 +39,15 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     return data
 
 
+PromptOf = Callable[[str, Mapping[str, Any]], Any]
+
+
 def parse_request(
-    route: str, body: bytes, session_header: str | None, *, with_prompt: bool = False
+    route: str, body: bytes, session_header: str | None, *, with_prompt: bool = False,
+    prompt_of: PromptOf | None = None,
 ) -> RequestFeatures:
-    """`session_header` is the value of the `x-session-id` header, if any."""
+    """`session_header` is the value of the `x-session-id` header, if any. The prompt is
+    `canonical_prompt`'s text unless `prompt_of` says otherwise (precise mode's token ids)."""
     data = parse_json_object(body)
     model = data.get("model")
     if model is None:
@@ -63,7 +68,7 @@ def parse_request(
         model=model,
         stream=data.get("stream") is True,
         session_key=session_key,
-        prompt=canonical_prompt(route, data) if with_prompt else None,
+        prompt=(prompt_of or canonical_prompt)(route, data) if with_prompt else None,
     )
 
 

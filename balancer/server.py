@@ -17,20 +17,23 @@ from balancer.admin import AdminApi
 from balancer.admission import Admission
 from balancer.auth import Authenticator, load_keys, replica_key
 from balancer.breaker import BreakerSettings
-from balancer.config import Settings
+from balancer.config import ConfigError, Settings
 from balancer.discovery import ModelDiscovery
 from balancer.dns import DnsDiscovery, Resolver, system_resolver
 from balancer.errors import JSON_HEADERS, ClientError
 from balancer.fleet import FULL, Fleet, Replica
 from balancer.health import HealthChecker
 from balancer.http_server import Headers, HttpServer, Request, ServerLimits
+from balancer.kv_events import KvEventsCollector, KvEventSubscriber
 from balancer.logs import LOG_FIELDS
 from balancer.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from balancer.metrics import NO_REPLICA, Metrics
+from balancer.precise import PreciseTracker, PromptTokens, RemotePrompt, load_prompt_tokens
 from balancer.proxy import Outcome, Proxy, end_broken_response
 from balancer.request import SESSION_HEADER, parse_request
 from balancer.routing import CacheTracker
 from balancer.sync import StateSync, SyncCollector
+from balancer.tokenizer import TokenizerError
 from balancer.upstream import UpstreamPool
 from policies.base import Choice, Policy, RequestFeatures
 from policies.registry import make_policy
@@ -77,9 +80,23 @@ class Balancer:
         self.admission = Admission(limits.max_in_flight, limits.max_queued, limits.queue_timeout_s)
         self.pool = UpstreamPool(connect_timeout_s=settings.timeouts.connect_s)
         # Prefix hashing and the index cost CPU on every request: only for policies that use them.
-        self.tracker = CacheTracker(settings.routing, time.monotonic) if self.policy.needs_prompt else None
-        if self.tracker is not None:
+        self.tracker: CacheTracker | None = None
+        self.kv_events: KvEventSubscriber | None = None
+        self.prompt_tokens: PromptTokens | None = None
+        if self.policy.needs_prompt and settings.kv_events.enabled:
+            # Loaded before serving, so a bad tokenizer directory stops start-up with its reason.
+            try:
+                self.prompt_tokens = load_prompt_tokens(settings.kv_events)
+            except TokenizerError as exc:
+                raise ConfigError([f"kv_events: {exc}"]) from None
+            precise = self.tracker = PreciseTracker(settings.routing, settings.kv_events, time.monotonic)
+            self.kv_events = KvEventSubscriber(precise.events, settings.kv_events.topic)
+            self.metrics.index = precise.exact
+            self.metrics.registry.register(KvEventsCollector(precise.events.stats))
+        elif self.policy.needs_prompt:
+            self.tracker = CacheTracker(settings.routing, time.monotonic)
             self.metrics.index = self.tracker.index
+        if self.tracker is not None:
             for replica in self.fleet.replicas:
                 self.tracker.index.set_capacity(replica.name, replica.kv_capacity_tokens)
         self.sync: StateSync | None = None
@@ -147,10 +164,19 @@ class Balancer:
             self._tasks.append(asyncio.create_task(self.dns.run()))
         if self.sync is not None:
             await self.sync.start()
+        for replica in self.fleet.replicas:
+            self._subscribe(replica)
+
+    def _subscribe(self, replica: Replica) -> None:
+        endpoint = replica.settings.kv_events_endpoint
+        if self.kv_events is not None and endpoint is not None:
+            self.kv_events.subscribe(replica.name, endpoint)
 
     async def stop(self) -> None:
         if self.sync is not None:
             await self.sync.stop()
+        if self.kv_events is not None:
+            await self.kv_events.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -178,12 +204,15 @@ class Balancer:
     def joined(self, replica: Replica) -> None:
         if self.tracker is not None:
             self.tracker.index.set_capacity(replica.name, replica.kv_capacity_tokens)
+        self._subscribe(replica)
         if self._discovery is not None:
             asyncio.get_running_loop().create_task(self.discover(replica))
 
     def left(self, replica: Replica) -> None:
         if self.tracker is not None:
             self.tracker.forget(replica.name)
+        if self.kv_events is not None:
+            self.kv_events.unsubscribe(replica.name)
 
     async def discover(self, replica: Replica) -> None:
         """Learn a replica's models (and KV capacity) now rather than at the next refresh."""
@@ -313,8 +342,10 @@ class Balancer:
         self.auth.check(request.header("authorization"), asyncio.get_running_loop().time())
         clock = time.perf_counter
         parse_began = clock()
+        prompt_tokens = self.prompt_tokens
         features = parse_request(
-            route, request.body, request.header(SESSION_HEADER), with_prompt=self.policy.needs_prompt
+            route, request.body, request.header(SESSION_HEADER), with_prompt=self.policy.needs_prompt,
+            prompt_of=prompt_tokens.prompt_of if prompt_tokens is not None else None,
         )
         parse_s = clock() - parse_began
         outcome.model = features.model or ""
@@ -322,16 +353,20 @@ class Balancer:
         candidates = await self._candidates(
             features.model, allowed_regions(allowed) if allowed is not None else None
         )
+        prompt = features.prompt
+        if isinstance(prompt, RemotePrompt):
+            authorization = self.proxy.replica_authorization or request.header("authorization")
+            prompt = await self._tokenize_remotely(prompt, candidates, authorization)
         rank_began = clock()
         routed = None
-        if self.tracker is not None and features.prompt is not None:
-            routed = self.tracker.predict(features.prompt)
+        if self.tracker is not None and prompt is not None:
+            routed = self.tracker.predict(prompt)
             features = RequestFeatures(
                 route=route,
                 model=features.model,
                 stream=features.stream,
                 session_key=features.session_key,
-                prompt=features.prompt,
+                prompt=prompt,
                 prompt_tokens=routed.prompt_tokens,
                 cached_tokens=routed.cached,
                 origin_region=request.header(self._region_header) or self.settings.routing.region,
@@ -343,6 +378,32 @@ class Balancer:
             log.debug("request %s %s model %s: %s", request_id, route, features.model, explained)
         extra = [(ROUTE_HEADER, explained)] if self._route_header and explained else None
         await self.proxy.forward(request, ranking, request_id, outcome, routed, extra)
+
+    async def _tokenize_remotely(
+        self, body: bytes, candidates: Sequence[Replica], authorization: str | None
+    ) -> list[int] | None:
+        """Precise mode without a local tokenizer: the first candidate engine's /tokenize.
+        Routing goes on without a prediction if it cannot answer in time."""
+        if not candidates or self.session is None:
+            return None
+        replica = candidates[0]
+        headers = {"content-type": "application/json"}
+        if authorization is not None:
+            headers["authorization"] = authorization
+        try:
+            async with self.session.post(
+                replica.url + "/tokenize", data=bytes(body), headers=headers,
+                timeout=aiohttp.ClientTimeout(total=self.settings.kv_events.tokenize_timeout_s),
+            ) as answer:
+                if answer.status != 200:
+                    return None
+                tokens = orjson.loads(await answer.read()).get("tokens")
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, AttributeError) as exc:
+            log.debug("tokenize on %s failed: %r", replica.name, exc)
+            return None
+        if isinstance(tokens, list) and all(isinstance(t, int) and 0 <= t < 1 << 32 for t in tokens):
+            return tokens
+        return None
 
     # local routes --------------------------------------------------------------------------
 

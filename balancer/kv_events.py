@@ -1,0 +1,341 @@
+"""Precise mode: keep the prefix index exact from the engines' own KV cache events.
+
+vLLM and SGLang (`--kv-events-config`) publish on a ZMQ PUB socket, one multipart message per
+batch: `[topic, sequence number (8 bytes, big-endian), msgpack [timestamp, [events],
+data-parallel rank]]` (older SGLang leaves the rank out). Events are `BlockStored`,
+`BlockRemoved` and `AllBlocksCleared`, encoded either as arrays tagged by their first element
+(vLLM up to 0.23) or as maps with a "type" key (later vLLM, SGLang); block hashes are 64-bit
+integers or 32 raw bytes.
+
+The engines' hashes are opaque and differ between engines and versions, so the index is keyed
+by kvlb's own chained hash of the blocks' token ids (`balancer.prefix`, one engine block per
+index block). A prompt tokenized as the engine tokenizes it then hashes to the same keys. The
+engine's hash of each block is kept per replica only to map a later `BlockRemoved` or a
+child's `parent_block_hash` to kvlb's key.
+
+A gap in the sequence numbers means lost events: the replica's entries can no longer be
+trusted, so they are dropped, and rebuilt as the engine stores blocks again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from balancer.index import PrefixIndex
+from balancer.prefix import token_block_hashes
+
+log = logging.getLogger("kvlb.kv_events")
+
+STORED, REMOVED, CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
+# The tier an engine computes from; offloaded copies (CPU, disk) are not prefix hits.
+PRIMARY_MEDIA = (None, "GPU", "gpu")
+RECONNECT_S = 1.0
+
+
+class MalformedEvents(ValueError):
+    """A message that is not a KV event batch."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    block_hashes: list[Any]
+    parent_block_hash: Any
+    token_ids: list[int]
+    block_size: int
+    lora_id: Any = None
+    medium: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    block_hashes: list[Any]
+    medium: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    pass
+
+
+Event = Stored | Removed | Cleared
+
+
+def _event(raw: Any) -> Event | None:
+    """One event in either encoding; None for kinds precise mode has no use for."""
+    if isinstance(raw, dict):
+        kind = raw.get("type")
+        if kind == STORED:
+            return Stored(raw["block_hashes"], raw.get("parent_block_hash"), raw["token_ids"],
+                          raw["block_size"], raw.get("lora_id"), raw.get("medium"))
+        if kind == REMOVED:
+            return Removed(raw["block_hashes"], raw.get("medium"))
+        if kind == CLEARED:
+            return Cleared()
+        return None
+    if isinstance(raw, list | tuple) and raw:
+        kind, fields = raw[0], raw[1:]
+        if kind == STORED:
+            hashes, parent, tokens, block_size = fields[:4]
+            lora = fields[4] if len(fields) > 4 else None
+            medium = fields[5] if len(fields) > 5 else None
+            return Stored(hashes, parent, tokens, block_size, lora, medium)
+        if kind == REMOVED:
+            return Removed(fields[0], fields[1] if len(fields) > 1 else None)
+        if kind == CLEARED:
+            return Cleared()
+        return None
+    raise MalformedEvents(f"an event must be a map or a tagged array, got {type(raw).__name__}")
+
+
+def decode_batch(payload: bytes) -> tuple[float, list[Event], int | None]:
+    """(timestamp, events, data-parallel rank or None) of one message's payload."""
+    import msgpack
+
+    try:
+        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise MalformedEvents(f"not msgpack: {exc}") from None
+    if not isinstance(batch, list | tuple) or len(batch) not in (2, 3):
+        raise MalformedEvents("a batch must be [timestamp, events] or [timestamp, events, rank]")
+    timestamp, raw_events = batch[0], batch[1]
+    if not isinstance(raw_events, list | tuple):
+        raise MalformedEvents("a batch's events must be a list")
+    try:
+        events = [e for e in map(_event, raw_events) if e is not None]
+    except (KeyError, ValueError, TypeError) as exc:
+        raise MalformedEvents(f"bad event: {exc!r}") from None
+    rank = batch[2] if len(batch) == 3 else None
+    return float(timestamp), events, rank
+
+
+@dataclass(slots=True)
+class EventStats:
+    """Counters for /metrics (`kvlb_kv_events_*`)."""
+
+    batches: int = 0
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    cleared: int = 0
+    gaps: int = 0  # lost messages detected: the replica's entries were dropped
+    unknown_parent: int = 0  # stored blocks whose parent kvlb never saw: not indexed
+    ignored: int = 0  # other media, LoRA adapters, another block size
+    malformed: int = 0
+    last_lag_s: float = 0.0  # from the engine's timestamp to applying the batch
+    connected: set[str] = field(default_factory=set)
+
+
+class KvEventsCollector:
+    """The `kvlb_kv_events_*` metrics, registered only in precise mode."""
+
+    def __init__(self, stats: EventStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        s = self.stats
+        yield GaugeMetricFamily("kvlb_kv_events_subscribed_replicas", "Replicas whose KV event stream is subscribed", value=len(s.connected))
+        yield CounterMetricFamily("kvlb_kv_events_batches", "KV event messages applied to the exact index", value=s.batches)
+        blocks = CounterMetricFamily("kvlb_kv_events_blocks", "Blocks in KV events, by what became of them", labels=["outcome"])
+        blocks.add_metric(["stored"], s.stored_blocks)
+        blocks.add_metric(["removed"], s.removed_blocks)
+        blocks.add_metric(["unknown_parent"], s.unknown_parent)
+        blocks.add_metric(["ignored"], s.ignored)
+        yield blocks
+        yield CounterMetricFamily("kvlb_kv_events_cleared", "AllBlocksCleared events applied", value=s.cleared)
+        yield CounterMetricFamily("kvlb_kv_events_gaps", "Sequence gaps: a replica's entries dropped after lost events", value=s.gaps)
+        yield CounterMetricFamily("kvlb_kv_events_malformed", "Messages that were not KV event batches", value=s.malformed)
+        yield GaugeMetricFamily("kvlb_kv_events_lag_seconds", "From the engine's timestamp to applying its last batch", value=s.last_lag_s)
+
+
+class ReplicaBlocks:
+    """One replica's engine hashes → kvlb's block hashes, and its place in the sequence."""
+
+    __slots__ = ("kvlb_hash", "last_seq")
+
+    def __init__(self) -> None:
+        self.kvlb_hash: dict[Any, int] = {}
+        self.last_seq: int | None = None
+
+
+class KvEventIndex:
+    """Applies decoded events to the exact index. Clock-free and I/O-free, so the offline
+    simulator can feed it directly."""
+
+    def __init__(self, index: PrefixIndex, block_size: int, max_blocks_per_replica: int = 1_000_000) -> None:
+        self.index = index
+        self.block_size = block_size
+        self.max_blocks = max_blocks_per_replica
+        self.stats = EventStats()
+        self._replicas: dict[str, ReplicaBlocks] = {}
+
+    def _blocks(self, replica: str) -> ReplicaBlocks:
+        blocks = self._replicas.get(replica)
+        if blocks is None:
+            blocks = self._replicas[replica] = ReplicaBlocks()
+        return blocks
+
+    def sequence(self, replica: str, seq: int) -> None:
+        """Check a message's sequence number before its events are applied."""
+        blocks = self._blocks(replica)
+        last = blocks.last_seq
+        blocks.last_seq = seq
+        if last is not None and seq != last + 1:
+            # Lost messages (or a restarted engine counting from 0 again): what the index
+            # lists for this replica may be stale in ways no later event will correct.
+            self.stats.gaps += 1
+            log.warning("replica %s: KV event sequence jumped from %d to %d; its index entries are dropped",
+                        replica, last, seq)
+            self.reset(replica)
+
+    def reset(self, replica: str) -> None:
+        self.index.remove_replica(replica)
+        self._blocks(replica).kvlb_hash.clear()
+
+    def forget(self, replica: str) -> None:
+        """The replica left the fleet."""
+        self.index.remove_replica(replica)
+        self._replicas.pop(replica, None)
+
+    def apply(self, replica: str, events: Iterable[Event]) -> None:
+        blocks = self._blocks(replica)
+        stats = self.stats
+        for event in events:
+            if isinstance(event, Stored):
+                self._stored(replica, blocks, event)
+            elif isinstance(event, Removed):
+                if event.medium not in PRIMARY_MEDIA:
+                    stats.ignored += len(event.block_hashes)
+                    continue
+                for engine_hash in event.block_hashes:
+                    h = blocks.kvlb_hash.pop(_key(engine_hash), None)
+                    if h is not None:
+                        self.index.discard(replica, h)
+                        stats.removed_blocks += 1
+            else:
+                self.reset(replica)
+                stats.cleared += 1
+
+    def _stored(self, replica: str, blocks: ReplicaBlocks, event: Stored) -> None:
+        stats = self.stats
+        count = len(event.block_hashes)
+        if (event.medium not in PRIMARY_MEDIA or event.lora_id is not None
+                or event.block_size != self.block_size or len(event.token_ids) != count * event.block_size):
+            stats.ignored += count
+            return
+        mapping = blocks.kvlb_hash
+        if event.parent_block_hash is None:
+            parent = None
+        else:
+            parent = mapping.get(_key(event.parent_block_hash))
+            if parent is None:
+                stats.unknown_parent += count
+                return
+        hashes = token_block_hashes(event.token_ids, self.block_size, parent)
+        if not self.index.extend(replica, parent, hashes):
+            stats.unknown_parent += count
+            return
+        mapping.update(zip(map(_key, event.block_hashes), hashes, strict=True))
+        stats.stored_blocks += count
+        if len(mapping) > self.max_blocks:
+            # An engine that never reports removals would grow this without end.
+            log.warning("replica %s: over %d KV blocks tracked; its index entries are dropped",
+                        replica, self.max_blocks)
+            self.reset(replica)
+
+
+def _key(engine_hash: Any) -> Any:
+    # msgpack gives 32-byte hashes as bytes and SGLang may send lists of ints; keys must hash.
+    return tuple(engine_hash) if isinstance(engine_hash, list) else engine_hash
+
+
+def is_bind_endpoint(endpoint: str) -> bool:
+    """`tcp://*:5557`: kvlb binds and the engine connects (the engine's rule, mirrored)."""
+    return endpoint.startswith("tcp://*:")
+
+
+class KvEventSubscriber:
+    """One SUB socket per replica, feeding a `KvEventIndex` from the event loop."""
+
+    def __init__(self, events: KvEventIndex, topic: str = "", clock: Callable[[], float] = time.time) -> None:
+        self.events = events
+        self.topic = topic.encode()
+        self._clock = clock
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._context: Any = None
+
+    def _zmq(self) -> Any:
+        import zmq.asyncio
+
+        if self._context is None:
+            self._context = zmq.asyncio.Context()
+        return self._context
+
+    def subscribe(self, replica: str, endpoint: str) -> None:
+        if replica in self._tasks:
+            return
+        self._tasks[replica] = asyncio.get_running_loop().create_task(self._run(replica, endpoint))
+
+    def unsubscribe(self, replica: str) -> None:
+        task = self._tasks.pop(replica, None)
+        if task is not None:
+            task.cancel()
+        self.events.forget(replica)
+        self.events.stats.connected.discard(replica)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._context is not None:
+            self._context.term()
+            self._context = None
+
+    async def _run(self, replica: str, endpoint: str) -> None:
+        import zmq
+
+        while True:
+            sock = self._zmq().socket(zmq.SUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SUBSCRIBE, self.topic)
+            try:
+                if is_bind_endpoint(endpoint):
+                    sock.bind(endpoint)
+                else:
+                    sock.connect(endpoint)
+                self.events.stats.connected.add(replica)
+                await self._receive(replica, sock)
+            except zmq.ZMQError as exc:
+                log.warning("replica %s: KV events on %s: %s; retrying", replica, endpoint, exc)
+            finally:
+                self.events.stats.connected.discard(replica)
+                sock.close(0)
+            await asyncio.sleep(RECONNECT_S)
+
+    async def _receive(self, replica: str, sock: Any) -> None:
+        events, stats = self.events, self.events.stats
+        while True:
+            parts = await sock.recv_multipart()
+            if len(parts) != 3 or len(parts[1]) != 8:
+                stats.malformed += 1
+                continue
+            try:
+                timestamp, batch, _rank = decode_batch(parts[2])
+            except MalformedEvents as exc:
+                stats.malformed += 1
+                log.debug("replica %s: malformed KV event message: %s", replica, exc)
+                continue
+            events.sequence(replica, int.from_bytes(parts[1], "big"))
+            events.apply(replica, batch)
+            stats.batches += 1
+            stats.last_lag_s = max(self._clock() - timestamp, 0.0)
