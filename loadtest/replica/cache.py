@@ -20,12 +20,33 @@ caches tens of thousands of blocks and every prompt commits and releases a hundr
 and objects would keep the garbage collector busy (each collection of the oldest generation
 walks them all, tens of milliseconds in the middle of the engine loop), where dicts of
 integers stay out of its sight.
+
+A `CacheListener` may watch the hashed blocks come and go (the KV events vLLM and SGLang
+publish). Without one the cost is one test per commit and per eviction.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
+
+
+class CacheListener(Protocol):
+    """Told of every change to the set of hashed blocks, in order; replaying the calls
+    rebuilds that set exactly."""
+
+    def blocks_stored(
+        self, hashes: Sequence[int], parent: int | None, tokens: Sequence[str]
+    ) -> None:
+        """Consecutive blocks of one chain became cached; `parent` is the hash of the block
+        before the first (None at the root) and `tokens` are exactly these blocks' tokens."""
+
+    def block_removed(self, block_hash: int) -> None:
+        """One cached block was evicted."""
+
+    def all_cleared(self) -> None:
+        """Every cached block was dropped at once."""
 
 
 class PrefixCache:
@@ -45,6 +66,7 @@ class PrefixCache:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._private_blocks = 0
         self.evicted_blocks_total = 0
+        self.listener: CacheListener | None = None
 
     # -- sizes ---------------------------------------------------------------------------
 
@@ -123,13 +145,24 @@ class PrefixCache:
         self._private_blocks += blocks
         return True
 
-    def commit(self, hashes: Sequence[int], parent: int | None) -> None:
+    def commit(
+        self,
+        hashes: Sequence[int],
+        parent: int | None,
+        tokens: Sequence[str] = (),
+        first_block: int = 0,
+    ) -> None:
         """Private blocks became full and computed: make them addressable by hash.
 
         `hashes` are consecutive blocks of one chain and `parent` is the hash of the block
         before the first (None at the root). A block another request already cached is
-        shared and this copy freed, so a hot prefix costs its memory once.
+        shared and this copy freed, so a hot prefix costs its memory once. `tokens` (the
+        whole sequence's) and `first_block` (the index of `hashes[0]` in it, in blocks)
+        only tell a listener which tokens the new blocks hold.
         """
+        listener = self.listener
+        if listener is not None:
+            self._report_stored(listener, hashes, parent, tokens, first_block)
         self._private_blocks -= len(hashes)
         refs = self._refs
         parents = self._parents
@@ -148,6 +181,31 @@ class PrefixCache:
                 if parent in children:
                     children[parent] += 1
             parent = block_hash
+
+    def _report_stored(
+        self,
+        listener: CacheListener,
+        hashes: Sequence[int],
+        parent: int | None,
+        tokens: Sequence[str],
+        first_block: int,
+    ) -> None:
+        # Before the blocks go in: a run of blocks not yet cached is one stored event, and
+        # a block already cached (shared, not stored) ends the run.
+        refs = self._refs
+        size = self.block_size
+        start = None
+        for i in range(len(hashes) + 1):
+            new = i < len(hashes) and hashes[i] not in refs
+            if new and start is None:
+                start = i
+            elif not new and start is not None:
+                run_parent = hashes[start - 1] if start else parent
+                begin = (first_block + start) * size
+                listener.blocks_stored(
+                    hashes[start:i], run_parent, tokens[begin : begin + (i - start) * size]
+                )
+                start = None
 
     def release(self, hashes: Sequence[int], private_blocks: int) -> None:
         """A request left: drop its references and free its private blocks.
@@ -184,8 +242,23 @@ class PrefixCache:
         self.evicted_blocks_total += 1
         if parent in children:
             children[parent] -= 1
+        listener = self.listener
+        if listener is not None:
+            listener.block_removed(block_hash)
 
     def clear(self) -> None:
-        """Drop every unreferenced cached block (a flush_cache)."""
-        while self._evictable:
-            self._evict_one()
+        """Drop every unreferenced cached block (a flush_cache).
+
+        When no running request holds a cached block, everything goes at once and a listener
+        hears one `all_cleared`, as vLLM reports a prefix-cache reset; otherwise the blocks
+        in use stay, and it hears each removal, so its picture stays exact.
+        """
+        if len(self._evictable) < len(self._refs):
+            while self._evictable:
+                self._evict_one()
+            return
+        self.evicted_blocks_total += len(self._refs)
+        for table in (self._refs, self._parents, self._children, self._evictable):
+            table.clear()
+        if self.listener is not None:
+            self.listener.all_cleared()

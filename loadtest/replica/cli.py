@@ -15,6 +15,12 @@ from typing import Any
 
 from loadtest.replica.config import ReplicaConfig
 from loadtest.replica.faults import Faults
+from loadtest.replica.kv_events import (
+    DEFAULT_TOPIC,
+    ENCODINGS,
+    KvEventsUnavailable,
+    require_packages,
+)
 from loadtest.replica.profiles import DEFAULT_PROFILE, PROFILES
 
 HELP = "run a simulated GPU replica (vLLM/SGLang-compatible HTTP API)"
@@ -40,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run this many times faster than the model; /get_server_info reports it",
     )  # fmt: skip
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    events = parser.add_argument_group("KV cache events (ZMQ, as vLLM's --kv-events-config)")
+    events.add_argument(
+        "--kv-events-endpoint", default=None, metavar="ENDPOINT",
+        help="publish KV events here; tcp://*:PORT binds, tcp://HOST:PORT connects (default: off)",
+    )  # fmt: skip
+    events.add_argument("--kv-events-topic", default=DEFAULT_TOPIC)
+    events.add_argument("--kv-events-encoding", default="map", choices=ENCODINGS)
     faults = parser.add_argument_group("fault injection (also POST /admin/fault)")
     faults.add_argument("--fault-error-rate", type=float, default=0.0, help="fraction answered 503")
     faults.add_argument(
@@ -84,6 +97,9 @@ def config_from_args(args: argparse.Namespace) -> ReplicaConfig:
         time_scale=args.time_scale,
         max_body_bytes=args.max_body_bytes,
         faults=faults,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_topic=args.kv_events_topic,
+        kv_events_encoding=args.kv_events_encoding,
     )
 
 
@@ -111,6 +127,12 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"kvlb replica: {error}", file=sys.stderr)
         return 2
+    if config.kv_events_endpoint is not None:
+        try:
+            require_packages()
+        except KvEventsUnavailable as error:
+            print(f"kvlb replica: {error}", file=sys.stderr)
+            return 2
     import uvloop
 
     try:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from loadtest.replica.engine import EngineConfig
 from loadtest.replica.faults import Faults
+from loadtest.replica.kv_events import DEFAULT_TOPIC, ENCODINGS, Encoding
 from loadtest.replica.profiles import DEFAULT_PROFILE, get_profile
 
 
@@ -26,6 +27,10 @@ class ReplicaConfig:
     # A 131k-word prompt is about 1 MB of JSON; leave room, refuse the absurd.
     max_body_bytes: int = 8 * 1024 * 1024
     faults: Faults = field(default_factory=Faults)
+    # KV events over ZMQ, as vLLM's --kv-events-config; None: off. See kv_events.py.
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = DEFAULT_TOPIC
+    kv_events_encoding: Encoding = "map"  # current vLLM and SGLang; "array": vLLM <= 0.23
 
     def __post_init__(self) -> None:
         get_profile(self.profile)  # fail early on a typo
@@ -35,6 +40,10 @@ class ReplicaConfig:
             raise ValueError("default_max_tokens must be at least 1")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
+        if self.kv_events_encoding not in ENCODINGS:
+            raise ValueError(f"kv_events_encoding must be one of {', '.join(ENCODINGS)}")
+        if self.kv_events_endpoint is not None and "://" not in self.kv_events_endpoint:
+            raise ValueError("kv_events_endpoint must be a ZMQ endpoint like tcp://*:5557")
 
     @property
     def model_name(self) -> str:

@@ -94,6 +94,10 @@ class RealtimeDriver:
         self.slipped_model_s = 0.0
         self.iterations = 0
         self.busy_model_s = 0.0
+        # Called as each iteration ends, before its tokens are delivered (the KV events
+        # publisher sends what the iteration did to the cache then, as vLLM does after each
+        # step's forward pass).
+        self.on_iteration_end: Callable[[], None] | None = None
 
     @property
     def running(self) -> bool:
@@ -148,6 +152,9 @@ class RealtimeDriver:
                 self.max_lag_s = lag
             self.iterations += 1
             self.busy_model_s += iteration.duration
+            on_end = self.on_iteration_end
+            if on_end is not None:
+                on_end()
             self._deliver(iteration.emitted)
         engine = self.engine
         start = engine.next_step_time()

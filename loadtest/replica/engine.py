@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from loadtest.replica.cache import PrefixCache
+from loadtest.replica.cache import CacheListener, PrefixCache
 from loadtest.replica.profiles import Profile
 from loadtest.replica.tokens import FILLER_WORDS, ROOT_HASH, block_hashes, chain_hash
 
@@ -495,7 +495,8 @@ class Engine:
         start = seq.num_shared
         end = min(len(hashes), seq.num_computed // self.block_size)
         if end > start:
-            self.cache.commit(hashes[start:end], hashes[start - 1] if start else None)
+            parent = hashes[start - 1] if start else None
+            self.cache.commit(hashes[start:end], parent, seq.tokens, start)
             seq.num_shared = end
 
     def _release(self, seq: Sequence) -> None:
@@ -516,6 +517,11 @@ class Engine:
 
     def clear_cache(self) -> None:
         self.cache.clear()
+
+    def set_cache_listener(self, listener: CacheListener | None) -> None:
+        """Watch the prefix cache's hashed blocks (the replica's KV events); the hashes are
+        the chained ones of `tokens.block_hashes` and the tokens are words."""
+        self.cache.listener = listener
 
 
 def run_until_idle(

@@ -2,8 +2,9 @@
 
 `ReplicaServer` runs in any asyncio loop (the tests start several in one process); the
 command line runs one on uvloop. Routes: the generation routes in `generation.py`, the
-information and health routes vLLM and SGLang expose, `/metrics`, and `/admin/*` for fault
-injection and the simulator's own timing statistics.
+information and health routes vLLM and SGLang expose, `/metrics`, `/tokenize` (vLLM's), and `/admin/*`
+for fault injection and the simulator's own timing statistics. With a KV events endpoint set,
+the prefix cache's changes go out over ZMQ (`kv_events.py`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from loadtest.replica.driver import RealtimeDriver
 from loadtest.replica.engine import Engine
 from loadtest.replica.faults import Faults, FaultSpecError, FaultState
 from loadtest.replica.generation import GenerationRoutes, error_response
+from loadtest.replica.kv_events import KvEventPublisher
 from loadtest.replica.metrics import build_registry, render
 from loadtest.replica.parsing import ApiError, bad_request, parse_json_object
+from loadtest.replica.tokens import PromptError, chat_tokens, text_tokens, token_ids
 
 log = logging.getLogger("kvlb.replica")
 
@@ -50,6 +53,7 @@ class ReplicaServer:
         self.registry = build_registry(self.driver, self.model)
         self.started_at = int(time.time())
         self.port: int | None = None
+        self.kv_events: KvEventPublisher | None = None
         self._runner: web.AppRunner | None = None
         self._exit_handle: asyncio.TimerHandle | None = None
         self.app = self._build_app()
@@ -69,6 +73,7 @@ class ReplicaServer:
         router.add_get("/model_info", self.model_info)
         router.add_get("/get_load", self.load)
         router.add_get("/metrics", self.metrics)
+        router.add_post("/tokenize", self.tokenize)
         router.add_post("/flush_cache", self.flush_cache)  # SGLang's name
         router.add_post("/reset_prefix_cache", self.flush_cache)  # vLLM's name
         router.add_get("/admin/fault", self.get_fault)
@@ -93,7 +98,10 @@ class ReplicaServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((self.config.host, self.config.port))
-        except OSError:
+            # After the HTTP port is ours: a caller retrying taken ports must not also
+            # rebind the events endpoint each time.
+            self._start_kv_events()
+        except Exception:
             sock.close()
             raise
         site = web.SockSite(self._runner, sock, backlog=1024)
@@ -109,6 +117,27 @@ class ReplicaServer:
             await self._runner.cleanup()
             self._runner = None
         await self.driver.stop()
+        self._stop_kv_events()
+
+    def _start_kv_events(self) -> None:
+        config = self.config
+        if config.kv_events_endpoint is None:
+            return
+        publisher = KvEventPublisher(
+            config.kv_events_endpoint, config.kv_events_topic, config.kv_events_encoding
+        )
+        self.kv_events = publisher
+        self.engine.set_cache_listener(publisher)
+        self.driver.on_iteration_end = publisher.flush
+
+    def _stop_kv_events(self) -> None:
+        publisher = self.kv_events
+        if publisher is None:
+            return
+        self.engine.set_cache_listener(None)
+        self.driver.on_iteration_end = None
+        publisher.close()
+        self.kv_events = None
 
     @property
     def url(self) -> str:
@@ -169,6 +198,9 @@ class ReplicaServer:
             "max_model_len": self.engine.max_sequence_tokens,
             "default_max_tokens": self.config.default_max_tokens,
             "tokenizer": "whitespace",
+            "kv_events_endpoint": self.config.kv_events_endpoint,
+            "kv_events_topic": self.config.kv_events_topic,
+            "kv_events_encoding": self.config.kv_events_encoding,
             "timing_ms": {
                 "a": profile.a_ms,
                 "b": profile.b_ms_per_token,
@@ -212,8 +244,32 @@ class ReplicaServer:
             body=render(self.registry), headers={"Content-Type": "text/plain; version=0.0.4"}
         )
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        try:
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                raise ApiError(
+                    413, f"request body exceeds {self.config.max_body_bytes} bytes",
+                    "request_too_large",
+                ) from None  # fmt: skip
+            data = parse_json_object(body)
+            tokens = tokenize_words(data)
+        except ApiError as error:
+            return error_response(error)
+        answer: dict[str, Any] = {
+            "count": len(tokens),
+            "max_model_len": self.engine.max_sequence_tokens,
+            "tokens": token_ids(tokens),
+        }
+        if data.get("return_token_strs"):
+            answer["token_strs"] = tokens
+        return _json(answer)
+
     async def flush_cache(self, request: web.Request) -> web.Response:
         self.engine.clear_cache()
+        if self.kv_events is not None:
+            self.kv_events.flush()  # now, not at the next iteration's end: the engine may idle
         return web.Response(status=200, text="cache flushed")
 
     # -- administration ------------------------------------------------------------------
@@ -252,11 +308,42 @@ class ReplicaServer:
             "running": self.engine.num_running,
             "waiting": self.engine.num_waiting,
         }
+        body["kv_events"] = self.kv_events.stats() if self.kv_events is not None else None
         return _json(body)
 
     async def reset_stats(self, request: web.Request) -> web.Response:
         self.driver.reset_stats()
         return web.Response(status=200)
+
+
+def tokenize_words(data: dict[str, Any]) -> list[str]:
+    """The tokens of a vLLM `/tokenize` body: a `prompt` text as the completion routes read
+    it, or `messages` through the chat route's template."""
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string", param="model")
+    # Accepted for vLLM's clients; the whitespace tokenizer has no special tokens to add and
+    # its chat template always ends with the generation prompt.
+    for key in ("add_special_tokens", "add_generation_prompt", "return_token_strs"):
+        value = data.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise bad_request(f"'{key}' must be a boolean", param=key)
+    has_prompt = "prompt" in data
+    if has_prompt == ("messages" in data):
+        raise bad_request(
+            "give exactly one of 'prompt' and 'messages'",
+            param="prompt",
+            code="invalid_value" if has_prompt else "missing_required_parameter",
+        )
+    if has_prompt:
+        prompt = data["prompt"]
+        if not isinstance(prompt, str):
+            raise bad_request("'prompt' must be a string", param="prompt")
+        return text_tokens(prompt)
+    try:
+        return chat_tokens(data["messages"])
+    except PromptError as error:
+        raise bad_request(str(error), param="messages") from None
 
 
 def _crash() -> None:

@@ -17,7 +17,9 @@ sent back as the assistant message of the next, continues the same token sequenc
 cached while generating it, as on a real engine.
 
 `input_ids` (token ids) are taken as the words of their decimal spelling, so id 42 and the
-word "42" are the same token.
+word "42" are the same token. The way back, `word_token_id`, is what `/tokenize` and the KV
+events report: a numeral below 2**31 in its canonical spelling is its own id, any other word
+a 32-bit hash with the top bit set, so the two kinds never meet.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ import xxhash
 # Seed of the first block's hash: the hash of block i covers blocks 0..i, because each block
 # is hashed with its parent's hash as the seed.
 ROOT_HASH = 0
+
+# Numerals below this are their own token id; hashed words have this bit set.
+NUMERAL_ID_LIMIT = 1 << 31
 
 # The filler the engine "generates"; words only, so a reply re-tokenizes to the same count.
 FILLER_WORDS: tuple[str, ...] = (
@@ -58,6 +63,21 @@ def id_tokens(ids: Sequence[Any]) -> list[str]:
             raise PromptError("token ids must be non-negative integers")
         tokens.append(str(token_id))
     return tokens
+
+
+def word_token_id(word: str) -> int:
+    """The uint32 id of one token word, inverse of `id_tokens` for ids below 2**31."""
+    # Only the canonical spelling is a numeral: "007" is another word than "7" to the block
+    # hashes, so it must be another id too.
+    if word.isdigit() and word.isascii() and len(word) <= 10 and (word[0] != "0" or len(word) == 1):
+        value = int(word)
+        if value < NUMERAL_ID_LIMIT:
+            return value
+    return xxhash.xxh32_intdigest(word) | NUMERAL_ID_LIMIT
+
+
+def token_ids(tokens: Sequence[str]) -> list[int]:
+    return [word_token_id(word) for word in tokens]
 
 
 def _content_words(content: Any) -> list[str]:
