@@ -8,7 +8,9 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from importlib.metadata import entry_points
+from typing import TYPE_CHECKING
 
 from balancer.config import (
     ConfigError,
@@ -17,7 +19,11 @@ from balancer.config import (
     load_settings,
     settings_from_args,
 )
+from balancer.launch import register as register_launch
 from balancer.logs import configure_logging
+
+if TYPE_CHECKING:
+    from balancer.server import RunningBalancer
 
 log = logging.getLogger("kvlb")
 ENTRY_POINT_GROUP = "kvlb.commands"
@@ -41,7 +47,14 @@ def _serve_settings(args: argparse.Namespace) -> Settings:
     )
 
 
-async def _serve(settings: Settings, config_path: str | None, reuse_port: bool = False) -> None:
+async def serve_until_stopped(
+    settings: Settings,
+    config_path: str | None,
+    reuse_port: bool = False,
+    on_listening: Callable[[RunningBalancer], None] | None = None,
+) -> None:
+    """Serve until SIGINT or SIGTERM, then drain and close; SIGHUP reloads `config_path`.
+    `kvlb serve` and `kvlb launch` share it, so both stop and reload the same way."""
     from balancer.reload import reload_file
     from balancer.server import start_balancer
 
@@ -67,6 +80,8 @@ async def _serve(settings: Settings, config_path: str | None, reuse_port: bool =
 
     loop.add_signal_handler(signal.SIGHUP, on_sighup)
     try:
+        if on_listening is not None:  # after the handlers: a signal from now on stops kvlb
+            on_listening(running)
         await stop.wait()
     finally:
         log.info("kvlb shutting down")
@@ -93,7 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvloop
 
     try:
-        uvloop.run(_serve(settings, args.config, reuse_port=args.reuse_port))
+        uvloop.run(serve_until_stopped(settings, args.config, reuse_port=args.reuse_port))
     except ConfigError as exc:  # found at start: key files, environment variables
         for problem in exc.problems:
             print(f"kvlb: {problem}", file=sys.stderr)
@@ -141,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a configuration file and print every problem")
     check.add_argument("file")
     check.set_defaults(func=cmd_check_config)
+
+    register_launch(sub)
 
     for entry in entry_points(group=ENTRY_POINT_GROUP):
         entry.load()(sub)
