@@ -168,8 +168,13 @@ class KvEventIndex:
     """Applies decoded events to the exact index. Clock-free and I/O-free, so the offline
     simulator can feed it directly."""
 
-    def __init__(self, index: PrefixIndex, block_size: int, max_blocks_per_replica: int = 1_000_000) -> None:
+    def __init__(self, index: PrefixIndex, block_size: int, max_blocks_per_replica: int = 1_000_000,
+                 guesses: PrefixIndex | None = None) -> None:
         self.index = index
+        # Routing's guesses (precise mode's speculative index): an eviction the engine reports
+        # overrules them too, or a prompt routed a moment ago would keep claiming blocks the
+        # engine has just given up under memory pressure.
+        self.guesses = guesses
         self.block_size = block_size
         self.max_blocks = max_blocks_per_replica
         self.stats = EventStats()
@@ -196,6 +201,8 @@ class KvEventIndex:
 
     def reset(self, replica: str) -> None:
         self.index.remove_replica(replica)
+        if self.guesses is not None:
+            self.guesses.remove_replica(replica)
         self._blocks(replica).kvlb_hash.clear()
 
     def forget(self, replica: str) -> None:
@@ -217,6 +224,8 @@ class KvEventIndex:
                     h = blocks.kvlb_hash.pop(_key(engine_hash), None)
                     if h is not None:
                         self.index.discard(replica, h)
+                        if self.guesses is not None:
+                            self.guesses.discard(replica, h)
                         stats.removed_blocks += 1
             else:
                 self.reset(replica)

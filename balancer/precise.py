@@ -47,7 +47,7 @@ class PreciseTracker(CacheTracker):
             tokens_per_block=settings.block_size, ttl_s=EXACT_TTL_S,
             max_entries=routing.index_max_entries, clock=clock,
         )
-        self.events = KvEventIndex(self.exact, settings.block_size, settings.max_blocks_per_replica)
+        self.events = KvEventIndex(self.exact, settings.block_size, settings.max_blocks_per_replica, self.index)
 
     def predict(self, prompt: str | Sequence[int]) -> Routed:
         if isinstance(prompt, str):

@@ -248,3 +248,20 @@ async def test_subscriber_follows_a_publisher_either_side_binding(kvlb_binds):
         pub.close(0)
         context.term()
         await subscriber.close()
+
+
+def test_an_eviction_overrules_a_routing_guess_on_that_replica():
+    tracker = make_tracker()
+    tracker.events.apply("a", [stored([1, 2, 3, 4], None, PROMPT[:16])])
+    routed = tracker.predict(PROMPT)
+
+    class Replica:
+        name = "a"
+        prefill_tokens_queued = 0
+        decoding = 0
+
+    tracker.start(routed, Replica())  # the guess: a holds the whole prompt
+    tracker.index.record("b", routed.hashes)  # and b too (another instance routed it there)
+    # Under memory pressure the engine evicts the prompt's tail before the guess lapses.
+    tracker.events.apply("a", [Removed([3], "GPU")])
+    assert cached_on(tracker, PROMPT) == {"a": 8, "b": 16}
