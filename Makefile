@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test test-engine bench lint clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
@@ -19,6 +19,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Installs vLLM for CPU into ~/.cache/kvlb (once per machine) and runs kvlb against it.
+test-engine: $(STAMP)
+	$(PY) -m pytest -q -s -m engine tests/engine
 
 bench: $(STAMP)
 	$(PY) -m loadtest.bench_proxy
