@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,11 +157,19 @@ class KvEventsCollector:
 class ReplicaBlocks:
     """One replica's engine hashes → kvlb's block hashes, and its place in the sequence."""
 
-    __slots__ = ("kvlb_hash", "last_seq")
+    __slots__ = ("kvlb_hash", "copies", "last_seq")
 
     def __init__(self) -> None:
         self.kvlb_hash: dict[Any, int] = {}
+        # vLLM may hold several physical copies of one block (two requests computing the
+        # same prefix at once) and reports BlockStored and BlockRemoved per copy: the block
+        # stays cached until its last copy goes. Extra copies only; most blocks have none.
+        self.copies: dict[Any, int] = {}
         self.last_seq: int | None = None
+
+    def clear(self) -> None:
+        self.kvlb_hash.clear()
+        self.copies.clear()
 
 
 class KvEventIndex:
@@ -169,12 +177,16 @@ class KvEventIndex:
     simulator can feed it directly."""
 
     def __init__(self, index: PrefixIndex, block_size: int, max_blocks_per_replica: int = 1_000_000,
-                 guesses: PrefixIndex | None = None) -> None:
+                 guesses: PrefixIndex | None = None,
+                 prefilling: Callable[[str], Iterable[Sequence[int]]] | None = None) -> None:
         self.index = index
         # Routing's guesses (precise mode's speculative index): an eviction the engine reports
         # overrules them too, or a prompt routed a moment ago would keep claiming blocks the
-        # engine has just given up under memory pressure.
+        # engine has just given up under memory pressure. Except the prompts the replica is
+        # still to prefill (`prefilling` gives their block hashes): it will store those
+        # blocks again, evicted or not.
         self.guesses = guesses
+        self.prefilling = prefilling
         self.block_size = block_size
         self.max_blocks = max_blocks_per_replica
         self.stats = EventStats()
@@ -203,7 +215,7 @@ class KvEventIndex:
         self.index.remove_replica(replica)
         if self.guesses is not None:
             self.guesses.remove_replica(replica)
-        self._blocks(replica).kvlb_hash.clear()
+        self._blocks(replica).clear()
 
     def forget(self, replica: str) -> None:
         """The replica left the fleet."""
@@ -213,6 +225,7 @@ class KvEventIndex:
     def apply(self, replica: str, events: Iterable[Event]) -> None:
         blocks = self._blocks(replica)
         stats = self.stats
+        guesses_cut = False
         for event in events:
             if isinstance(event, Stored):
                 self._stored(replica, blocks, event)
@@ -221,15 +234,27 @@ class KvEventIndex:
                     stats.ignored += len(event.block_hashes)
                     continue
                 for engine_hash in event.block_hashes:
-                    h = blocks.kvlb_hash.pop(_key(engine_hash), None)
+                    key = _key(engine_hash)
+                    extra = blocks.copies.get(key)
+                    if extra:
+                        if extra == 1:
+                            del blocks.copies[key]
+                        else:
+                            blocks.copies[key] = extra - 1
+                        continue
+                    h = blocks.kvlb_hash.pop(key, None)
                     if h is not None:
                         self.index.discard(replica, h)
-                        if self.guesses is not None:
-                            self.guesses.discard(replica, h)
+                        if self.guesses is not None and self.guesses.discard(replica, h):
+                            guesses_cut = True
                         stats.removed_blocks += 1
             else:
                 self.reset(replica)
                 stats.cleared += 1
+                guesses_cut = True
+        if guesses_cut and self.prefilling is not None:
+            for hashes in self.prefilling(replica):
+                self.guesses.record(replica, hashes)  # type: ignore[union-attr]
 
     def _stored(self, replica: str, blocks: ReplicaBlocks, event: Stored) -> None:
         stats = self.stats
@@ -250,7 +275,13 @@ class KvEventIndex:
         if not self.index.extend(replica, parent, hashes):
             stats.unknown_parent += count
             return
-        mapping.update(zip(map(_key, event.block_hashes), hashes, strict=True))
+        copies = blocks.copies
+        for engine_hash, h in zip(event.block_hashes, hashes, strict=True):
+            key = _key(engine_hash)
+            if mapping.get(key) == h:
+                copies[key] = copies.get(key, 0) + 1
+            else:
+                mapping[key] = h
         stats.stored_blocks += count
         if len(mapping) > self.max_blocks:
             # An engine that never reports removals would grow this without end.

@@ -47,7 +47,11 @@ class PreciseTracker(CacheTracker):
             tokens_per_block=settings.block_size, ttl_s=EXACT_TTL_S,
             max_entries=routing.index_max_entries, clock=clock,
         )
-        self.events = KvEventIndex(self.exact, settings.block_size, settings.max_blocks_per_replica, self.index)
+        # Per replica, the requests sent there whose first byte has not come back: their
+        # blocks are on the way whatever the engine evicts meanwhile.
+        self._prefilling: dict[str, dict[int, Routed]] = {}
+        self.events = KvEventIndex(self.exact, settings.block_size, settings.max_blocks_per_replica,
+                                   self.index, self._prefilling_hashes)
 
     def predict(self, prompt: str | Sequence[int]) -> Routed:
         if isinstance(prompt, str):
@@ -63,6 +67,29 @@ class PreciseTracker(CacheTracker):
             if blocks:
                 cached[name] = blocks * self.block_size
         return Routed(hashes, tokens, cached)
+
+    def _prefilling_hashes(self, replica: str) -> list[Sequence[int]]:
+        return [routed.hashes for routed in self._prefilling.get(replica, {}).values()]
+
+    def start(self, routed: Routed, replica: Replica) -> None:
+        super().start(routed, replica)
+        self._prefilling.setdefault(replica.name, {})[id(routed)] = routed
+
+    def _done_prefilling(self, routed: Routed) -> None:
+        if routed.replica is not None:
+            waiting = self._prefilling.get(routed.replica.name)
+            if waiting is not None:
+                waiting.pop(id(routed), None)
+                if not waiting:
+                    del self._prefilling[routed.replica.name]
+
+    def first_byte(self, routed: Routed) -> None:
+        self._done_prefilling(routed)
+        super().first_byte(routed)
+
+    def finish(self, routed: Routed, *, answered: bool) -> None:
+        self._done_prefilling(routed)
+        super().finish(routed, answered=answered)
 
     def learn(self, routed: Routed, replica: Replica, prompt_tokens: int, cached_tokens: int) -> Lesson | None:
         # Nothing to correct: the engine's events keep the exact index right. The lesson is

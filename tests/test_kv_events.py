@@ -226,15 +226,18 @@ async def test_subscriber_follows_a_publisher_either_side_binding(kvlb_binds):
                  "token_ids": PROMPT[:8], "block_size": BS, "lora_id": None, "medium": "GPU"}
         seq = 0
 
-        def indexed() -> bool:
+        def connected() -> bool:
             nonlocal seq
             # PUB drops what it sends before the subscription arrives (ZMQ's slow joiner), so
-            # keep publishing until the first batch lands.
-            pub.send_multipart(batch(seq, [event]))
+            # keep publishing something harmless until the first batch lands.
+            pub.send_multipart(batch(seq, [{"type": "AllBlocksCleared"}]))
             seq += 1
-            return bool(cached_on(tracker, PROMPT))
+            return tracker.events.stats.batches > 0
 
-        await wait_for(indexed)
+        await wait_for(connected)
+        await pub.send_multipart(batch(seq, [event]))
+        seq += 1
+        await wait_for(lambda: bool(cached_on(tracker, PROMPT)))
         assert cached_on(tracker, PROMPT) == {"a": 8}
         # Another topic is not subscribed; garbage is counted and skipped.
         await pub.send_multipart(batch(seq, [{"type": "AllBlocksCleared"}], topic=b"other"))
@@ -261,7 +264,50 @@ def test_an_eviction_overrules_a_routing_guess_on_that_replica():
         decoding = 0
 
     tracker.start(routed, Replica())  # the guess: a holds the whole prompt
-    tracker.index.record("b", routed.hashes)  # and b too (another instance routed it there)
+    tracker.first_byte(routed)  # and has prefilled it: its events are on the way
+    tracker.index.record("b", routed.hashes)  # b too (another instance routed it there)
     # Under memory pressure the engine evicts the prompt's tail before the guess lapses.
     tracker.events.apply("a", [Removed([3], "GPU")])
     assert cached_on(tracker, PROMPT) == {"a": 8, "b": 16}
+
+
+def test_a_block_stays_until_its_last_copy_is_removed():
+    # Two requests prefilling the same prefix at once: vLLM caches two physical copies under
+    # one hash, and later evicts them one at a time.
+    tracker = make_tracker()
+    tracker.events.apply("a", [stored([1, 2], None, PROMPT[:8])])
+    tracker.events.apply("a", [stored([1, 2], None, PROMPT[:8])])
+    tracker.events.apply("a", [Removed([2], "GPU")])
+    assert cached_on(tracker, PROMPT) == {"a": 8}
+    tracker.events.apply("a", [Removed([2], "GPU")])
+    assert cached_on(tracker, PROMPT) == {"a": 4}
+    # A cleared engine has no copies left either.
+    tracker.events.apply("a", [stored([2], 1, PROMPT[4:8]), stored([2], 1, PROMPT[4:8]), Cleared()])
+    tracker.events.apply("a", [stored([1, 2], None, PROMPT[:8]), Removed([2], "GPU")])
+    assert cached_on(tracker, PROMPT) == {"a": 4}
+
+
+class FakeReplicaState:
+    """What CacheTracker.start and finish update on a replica (a policy's load view)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.prefill_tokens_queued = 0
+        self.decoding = 0
+
+
+def test_an_eviction_does_not_cancel_the_guess_of_a_prompt_still_being_prefilled():
+    tracker = make_tracker()
+    tracker.events.apply("a", [stored([1, 2, 3, 4], None, PROMPT[:16])])
+    replica = FakeReplicaState("a")
+    waiting = tracker.predict(PROMPT)
+    tracker.start(waiting, replica)  # sent, no first byte yet
+    # The engine evicts the tail before it schedules the request, which will compute it again.
+    tracker.events.apply("a", [Removed([3], "GPU")])
+    assert cached_on(tracker, PROMPT) == {"a": 16}
+    # Once answered, an eviction is believed at once.
+    tracker.first_byte(waiting)
+    tracker.events.apply("a", [Removed([2], "GPU")])
+    assert cached_on(tracker, PROMPT) == {"a": 4}
+    tracker.finish(waiting, answered=True)
+    assert tracker._prefilling == {}
