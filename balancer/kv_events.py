@@ -164,6 +164,9 @@ class ReplicaBlocks:
         # vLLM may hold several physical copies of one block (two requests computing the
         # same prefix at once) and reports BlockStored and BlockRemoved per copy: the block
         # stays cached until its last copy goes. Extra copies only; most blocks have none.
+        # (This reads vLLM's default, incremental reporting. A request sent with
+        # kv_cache_report_mode "full" makes vLLM announce reused blocks again, which would
+        # count as copies and keep them listed after their eviction.)
         self.copies: dict[Any, int] = {}
         self.last_seq: int | None = None
 
