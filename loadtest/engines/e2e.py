@@ -42,10 +42,10 @@ from balancer.server import start_balancer
 from loadtest.procs import free_port
 
 ENGINE_BLOCK_SIZE = 128  # vLLM's default on CPU
-# 2.5 MiB of KV cache is 5,120 tokens (40 blocks) of the tiny model: the workload's six system
-# prompts and the conversations' own turns do not fit in one engine together, so an engine
-# that sees them all evicts, and even under cache_aware engines evict as conversations grow.
-ENGINE_ARGS = ("--enforce-eager", "--kv-cache-memory-bytes", str(5 * 512 * 1024),
+# 2 MiB of KV cache is 4,096 tokens (32 blocks) of the tiny model: the workload's six system
+# prompts and the conversations' own turns do not fit in one engine together, so engines
+# evict under every policy, precise routing included.
+ENGINE_ARGS = ("--enforce-eager", "--kv-cache-memory-bytes", str(4 * 512 * 1024),
                "--max-model-len", "2048", "--served-model-name", "tiny")
 MODEL_NAME = "tiny"
 MODES = ("random", "approximate", "precise")
