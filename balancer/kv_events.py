@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,16 +180,12 @@ class KvEventIndex:
     simulator can feed it directly."""
 
     def __init__(self, index: PrefixIndex, block_size: int, max_blocks_per_replica: int = 1_000_000,
-                 guesses: PrefixIndex | None = None,
-                 prefilling: Callable[[str], Iterable[Sequence[int]]] | None = None) -> None:
+                 guesses: PrefixIndex | None = None) -> None:
         self.index = index
-        # Routing's guesses (precise mode's speculative index): an eviction the engine reports
-        # overrules them too, or a prompt routed a moment ago would keep claiming blocks the
-        # engine has just given up under memory pressure. Except the prompts the replica is
-        # still to prefill (`prefilling` gives their block hashes): it will store those
-        # blocks again, evicted or not.
+        # Routing's guesses for prompts already prefilled (precise mode's speculative index):
+        # an eviction the engine reports overrules them too, or a prompt answered a moment
+        # ago would keep claiming blocks the engine has just given up under memory pressure.
         self.guesses = guesses
-        self.prefilling = prefilling
         self.block_size = block_size
         self.max_blocks = max_blocks_per_replica
         self.stats = EventStats()
@@ -214,6 +210,10 @@ class KvEventIndex:
                         replica, last, seq)
             self.reset(replica)
 
+    def restart_sequence(self, replica: str) -> None:
+        """The next message starts a new sequence (a new connection)."""
+        self._blocks(replica).last_seq = None
+
     def reset(self, replica: str) -> None:
         self.index.remove_replica(replica)
         if self.guesses is not None:
@@ -228,7 +228,6 @@ class KvEventIndex:
     def apply(self, replica: str, events: Iterable[Event]) -> None:
         blocks = self._blocks(replica)
         stats = self.stats
-        guesses_cut = False
         for event in events:
             if isinstance(event, Stored):
                 self._stored(replica, blocks, event)
@@ -248,16 +247,12 @@ class KvEventIndex:
                     h = blocks.kvlb_hash.pop(key, None)
                     if h is not None:
                         self.index.discard(replica, h)
-                        if self.guesses is not None and self.guesses.discard(replica, h):
-                            guesses_cut = True
+                        if self.guesses is not None:
+                            self.guesses.discard(replica, h)
                         stats.removed_blocks += 1
             else:
                 self.reset(replica)
                 stats.cleared += 1
-                guesses_cut = True
-        if guesses_cut and self.prefilling is not None:
-            for hashes in self.prefilling(replica):
-                self.guesses.record(replica, hashes)  # type: ignore[union-attr]
 
     def _stored(self, replica: str, blocks: ReplicaBlocks, event: Stored) -> None:
         stats = self.stats
@@ -357,13 +352,33 @@ class KvEventSubscriber:
                 else:
                     sock.connect(endpoint)
                 self.events.stats.connected.add(replica)
-                await self._receive(replica, sock)
+                monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                watch = asyncio.ensure_future(self._watch(replica, monitor))
+                try:
+                    await self._receive(replica, sock)
+                finally:
+                    watch.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await watch
+                    sock.disable_monitor()
+                    monitor.close(0)
             except zmq.ZMQError as exc:
                 log.warning("replica %s: KV events on %s: %s; retrying", replica, endpoint, exc)
             finally:
                 self.events.stats.connected.discard(replica)
                 sock.close(0)
             await asyncio.sleep(RECONNECT_S)
+
+    async def _watch(self, replica: str, monitor: Any) -> None:
+        """A dropped connection to the publisher (the engine restarted, or the network broke)
+        may have lost events, and a restarted engine's sequence can resume at any number
+        after its first messages are lost to ZMQ's slow joiner: count it as a gap."""
+        while True:
+            await monitor.recv_multipart()
+            self.events.stats.gaps += 1
+            log.warning("replica %s: KV event connection dropped; its index entries are dropped", replica)
+            self.events.reset(replica)
+            self.events.restart_sequence(replica)
 
     async def _receive(self, replica: str, sock: Any) -> None:
         events, stats = self.events, self.events.stats

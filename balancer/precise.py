@@ -1,15 +1,18 @@
 """Precise mode's routing state: what the engines report they cache, plus what was just routed.
 
-Two indexes, both keyed by kvlb's hashes of engine-sized blocks of token ids:
+Three indexes, all keyed by kvlb's hashes of engine-sized blocks of token ids:
 - `exact`, fed only by the engines' KV events (`balancer.kv_events`): a block is listed while
   the engine holds it, whatever its age, and leaves when the engine says it evicted it;
-- `index`, the speculative one: a prompt routed to a replica is listed there for
-  `speculative_ttl_s`, because its blocks exist on the engine only once prefilled and its
-  events follow. Follow-up requests in that window (the next turn of a chat, a burst sharing
-  a document) go to the same replica instead of scattering. Other kvlb instances' routing
-  decisions (balancer/sync.py) land there too.
+- `pending`: prompts sent to a replica whose first byte has not come back. The engine stores
+  their blocks as it prefills them, however long they queue and whatever it evicts meanwhile,
+  so follow-up requests (the next turn of a chat, a burst sharing a document) go to the same
+  replica instead of scattering. A prompt leaves when its answer starts or its attempt fails;
+- `index`, the speculative one: a prompt whose answer has started is listed for
+  `speculative_ttl_s` more, since its KV events may still be on their way. An eviction the
+  engine reports overrules it at once. Other kvlb instances' routing decisions
+  (balancer/sync.py) land here too.
 
-A request's predicted hit is the longer of the two, capped below the whole prompt: engines
+A request's predicted hit is the longest of the three, capped below the whole prompt: engines
 always compute at least the prompt's last token, so a prompt of exactly N cached blocks is
 answered with N - 1 of them from cache (vLLM: `num_tokens - 1` is the longest hit).
 """
@@ -24,11 +27,11 @@ from balancer.fleet import Replica
 from balancer.index import PrefixIndex
 from balancer.kv_events import KvEventIndex
 from balancer.prefix import PrefixHasher
-from balancer.routing import CacheTracker, Lesson, Routed
+from balancer.routing import PREFILLING, CacheTracker, Lesson, Routed
 from balancer.tokenizer import ModelTokenizer, TokenizerError, given_ids, tokenize_request_body
 
-# Events, not age, remove exact entries; the TTL only has to be longer than any cache life.
-EXACT_TTL_S = 10 * 365 * 86400.0
+# Events, not age, remove exact and pending entries; the TTL only has to outlast them.
+NO_EXPIRY_S = 10 * 365 * 86400.0
 
 
 class RemotePrompt(bytes):
@@ -38,20 +41,19 @@ class RemotePrompt(bytes):
 class PreciseTracker(CacheTracker):
     def __init__(self, routing: RoutingSettings, settings: KvEventsSettings, clock: Callable[[], float]) -> None:
         self.block_size = settings.block_size
+
+        def index(ttl_s: float) -> PrefixIndex:
+            return PrefixIndex(tokens_per_block=settings.block_size, ttl_s=ttl_s,
+                               max_entries=routing.index_max_entries, clock=clock)
+
         self.hasher = PrefixHasher(block_tokens=settings.block_size)
-        self.index = PrefixIndex(
-            tokens_per_block=settings.block_size, ttl_s=settings.speculative_ttl_s,
-            max_entries=routing.index_max_entries, clock=clock,
-        )
-        self.exact = PrefixIndex(
-            tokens_per_block=settings.block_size, ttl_s=EXACT_TTL_S,
-            max_entries=routing.index_max_entries, clock=clock,
-        )
-        # Per replica, the requests sent there whose first byte has not come back: their
-        # blocks are on the way whatever the engine evicts meanwhile.
-        self._prefilling: dict[str, dict[int, Routed]] = {}
-        self.events = KvEventIndex(self.exact, settings.block_size, settings.max_blocks_per_replica,
-                                   self.index, self._prefilling_hashes)
+        self.index = index(settings.speculative_ttl_s)
+        self.exact = index(NO_EXPIRY_S)
+        self.pending = index(NO_EXPIRY_S)
+        # Per replica, how many pending prompts hold each block: prompts share prefixes, and
+        # a block leaves `pending` with the last prompt that holds it.
+        self._pending: dict[str, dict[int, int]] = {}
+        self.events = KvEventIndex(self.exact, settings.block_size, settings.max_blocks_per_replica, self.index)
 
     def predict(self, prompt: str | Sequence[int]) -> Routed:
         if isinstance(prompt, str):
@@ -59,37 +61,60 @@ class PreciseTracker(CacheTracker):
         hashes = self.hasher.lazy(prompt)
         tokens = len(prompt)
         longest = (tokens - 1) // self.block_size if tokens else 0
-        exact = self.exact.match(hashes)
-        speculative = self.index.match(hashes)
+        found: dict[str, int] = self.exact.match(hashes)
+        for guesses in (self.index.match(hashes), self.pending.match(hashes) if self._pending else {}):
+            for name, blocks in guesses.items():
+                if blocks > found.get(name, 0):
+                    found[name] = blocks
         cached = {}
-        for name in exact.keys() | speculative.keys():
-            blocks = min(max(exact.get(name, 0), speculative.get(name, 0)), longest)
+        for name, blocks in found.items():
+            blocks = min(blocks, longest)
             if blocks:
                 cached[name] = blocks * self.block_size
         return Routed(hashes, tokens, cached)
 
-    def _prefilling_hashes(self, replica: str) -> list[Sequence[int]]:
-        return [routed.hashes for routed in self._prefilling.get(replica, {}).values()]
+    def _record_routed(self, routed: Routed, replica: Replica) -> None:
+        self.pending.record(replica.name, routed.hashes)
+        holders = self._pending.setdefault(replica.name, {})
+        for h in routed.hashes:
+            holders[h] = holders.get(h, 0) + 1
 
-    def start(self, routed: Routed, replica: Replica) -> None:
-        super().start(routed, replica)
-        self._prefilling.setdefault(replica.name, {})[id(routed)] = routed
-
-    def _done_prefilling(self, routed: Routed) -> None:
-        if routed.replica is not None:
-            waiting = self._prefilling.get(routed.replica.name)
-            if waiting is not None:
-                waiting.pop(id(routed), None)
-                if not waiting:
-                    del self._prefilling[routed.replica.name]
+    def _leave_pending(self, routed: Routed) -> None:
+        replica = routed.replica
+        holders = self._pending.get(replica.name) if replica is not None else None
+        if holders is None:
+            return
+        assert replica is not None
+        first_unheld = None
+        for h in routed.hashes:
+            count = holders.get(h, 0) - 1
+            if count > 0:
+                holders[h] = count
+                continue
+            holders.pop(h, None)
+            if first_unheld is None:
+                first_unheld = h
+        # Blocks below an unheld one belong only to prompts through it: none are left.
+        if first_unheld is not None:
+            self.pending.discard(replica.name, first_unheld)
+        if not holders:
+            del self._pending[replica.name]
 
     def first_byte(self, routed: Routed) -> None:
-        self._done_prefilling(routed)
+        if routed.phase == PREFILLING and routed.replica is not None:
+            self._leave_pending(routed)
+            self.index.record(routed.replica.name, routed.hashes)
         super().first_byte(routed)
 
     def finish(self, routed: Routed, *, answered: bool) -> None:
-        self._done_prefilling(routed)
+        if routed.phase == PREFILLING and routed.replica is not None:
+            self._leave_pending(routed)
+            if answered:  # a non-streamed answer: its first byte is its last
+                self.index.record(routed.replica.name, routed.hashes)
         super().finish(routed, answered=answered)
+
+    def _forget_attempt(self, routed: Routed, replica: Replica) -> None:
+        pass  # a failed attempt never reached `index`, and has left `pending`
 
     def learn(self, routed: Routed, replica: Replica, prompt_tokens: int, cached_tokens: int) -> Lesson | None:
         # Nothing to correct: the engine's events keep the exact index right. The lesson is

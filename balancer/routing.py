@@ -84,13 +84,16 @@ class CacheTracker:
         # It holds a batch slot from now on: a non-streaming answer's first byte is its last,
         # so waiting for it to count the request as decoding would miss its whole decode.
         replica.decoding += 1
+        self._record_routed(routed, replica)
+        if self.on_record is not None:
+            self.on_record(replica.name, routed.hashes)
+
+    def _record_routed(self, routed: Routed, replica: Replica) -> None:
         blocks = int(routed.cached.get(replica.name, 0) / self.index.tokens_per_block)
         routed.predicted_last_use = (
             self.index.last_use(replica.name, routed.hashes[blocks - 1]) if blocks else None
         )
         self.index.record(replica.name, routed.hashes)
-        if self.on_record is not None:
-            self.on_record(replica.name, routed.hashes)
 
     def first_byte(self, routed: Routed) -> None:
         """The replica has answered: its prefill is done."""
@@ -110,10 +113,13 @@ class CacheTracker:
         if routed.phase != IDLE:
             replica.decoding -= 1
         if not answered:
-            had = int(routed.cached.get(replica.name, 0) / self.index.tokens_per_block)
-            self.index.truncate(replica.name, routed.hashes, had)
+            self._forget_attempt(routed, replica)
         routed.phase = IDLE
         routed.replica = None
+
+    def _forget_attempt(self, routed: Routed, replica: Replica) -> None:
+        had = int(routed.cached.get(replica.name, 0) / self.index.tokens_per_block)
+        self.index.truncate(replica.name, routed.hashes, had)
 
     def learn(self, routed: Routed, replica: Replica, prompt_tokens: int, cached_tokens: int) -> Lesson | None:
         """Compare the replica's reported cache hit with the prediction.

@@ -41,6 +41,15 @@ def stored(hashes, parent, tokens, block_size=BS, **kw) -> Stored:
 PROMPT = list(range(100, 117))  # 17 tokens: 4 whole blocks and one more token
 
 
+class FakeReplicaState:
+    """What CacheTracker.start and finish update on a replica (a policy's load view)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.prefill_tokens_queued = 0
+        self.decoding = 0
+
+
 def cached_on(tracker: PreciseTracker, prompt) -> dict[str, int]:
     return tracker.predict(prompt).cached
 
@@ -173,22 +182,43 @@ def test_the_engine_hash_map_is_bounded():
 # -- speculation --------------------------------------------------------------------------------
 
 
-def test_a_routed_prompt_counts_as_cached_until_its_events_are_due():
+def test_a_routed_prompt_counts_as_cached_while_prefilling_and_until_its_events_are_due():
     clock = Clock()
     tracker = make_tracker(clock, speculative_ttl_s=2.0)
     routed = tracker.predict(PROMPT)
-
-    class Replica:
-        name = "a"
-        prefill_tokens_queued = 0
-        decoding = 0
-
-    tracker.start(routed, Replica())
+    tracker.start(routed, FakeReplicaState("a"))
     assert cached_on(tracker, PROMPT) == {"a": 16}
-    clock.now += 2.5  # no event came: the guess lapses
+    clock.now += 30  # queued for long: still on its way
+    assert cached_on(tracker, PROMPT) == {"a": 16}
+    tracker.first_byte(routed)  # prefilled: its events follow within speculative_ttl_s
+    clock.now += 1.5
+    assert cached_on(tracker, PROMPT) == {"a": 16}
+    clock.now += 1.0  # no event came: the guess lapses
     assert cached_on(tracker, PROMPT) == {}
+    tracker.finish(routed, answered=True)
     # The exact index is untouched by routing.
     assert tracker.exact.entries == 0
+
+
+def test_a_failed_attempt_leaves_no_guess():
+    tracker = make_tracker()
+    routed = tracker.predict(PROMPT)
+    tracker.start(routed, FakeReplicaState("a"))
+    tracker.finish(routed, answered=False)
+    assert cached_on(tracker, PROMPT) == {}
+
+
+def test_pending_prompts_sharing_a_prefix_leave_one_at_a_time():
+    tracker = make_tracker()
+    replica = FakeReplicaState("a")
+    short, long = tracker.predict(PROMPT[:9]), tracker.predict(PROMPT)
+    tracker.start(short, replica)
+    tracker.start(long, replica)
+    tracker.finish(long, answered=False)
+    assert cached_on(tracker, PROMPT) == {"a": 8}  # the shorter prompt still holds its blocks
+    tracker.finish(short, answered=False)
+    assert cached_on(tracker, PROMPT) == {}
+    assert tracker._pending == {} and tracker.pending.entries == 0
 
 
 # -- over real ZMQ sockets -----------------------------------------------------------------------
@@ -257,13 +287,7 @@ def test_an_eviction_overrules_a_routing_guess_on_that_replica():
     tracker = make_tracker()
     tracker.events.apply("a", [stored([1, 2, 3, 4], None, PROMPT[:16])])
     routed = tracker.predict(PROMPT)
-
-    class Replica:
-        name = "a"
-        prefill_tokens_queued = 0
-        decoding = 0
-
-    tracker.start(routed, Replica())  # the guess: a holds the whole prompt
+    tracker.start(routed, FakeReplicaState("a"))  # the guess: a holds the whole prompt
     tracker.first_byte(routed)  # and has prefilled it: its events are on the way
     tracker.index.record("b", routed.hashes)  # b too (another instance routed it there)
     # Under memory pressure the engine evicts the prompt's tail before the guess lapses.
@@ -287,15 +311,6 @@ def test_a_block_stays_until_its_last_copy_is_removed():
     assert cached_on(tracker, PROMPT) == {"a": 4}
 
 
-class FakeReplicaState:
-    """What CacheTracker.start and finish update on a replica (a policy's load view)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.prefill_tokens_queued = 0
-        self.decoding = 0
-
-
 def test_an_eviction_does_not_cancel_the_guess_of_a_prompt_still_being_prefilled():
     tracker = make_tracker()
     tracker.events.apply("a", [stored([1, 2, 3, 4], None, PROMPT[:16])])
@@ -310,4 +325,4 @@ def test_an_eviction_does_not_cancel_the_guess_of_a_prompt_still_being_prefilled
     tracker.events.apply("a", [Removed([2], "GPU")])
     assert cached_on(tracker, PROMPT) == {"a": 4}
     tracker.finish(waiting, answered=True)
-    assert tracker._prefilling == {}
+    assert tracker._pending == {}

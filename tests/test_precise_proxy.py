@@ -123,7 +123,7 @@ async def test_a_flush_reaches_the_index_as_all_blocks_cleared():
             assert "kvlb_kv_events_subscribed_replicas 2.0" in text
 
 
-async def test_a_restarted_replica_is_seen_as_a_gap_and_its_entries_dropped():
+async def test_a_restarted_replica_loses_its_entries_in_the_index():
     async with AsyncExitStack() as stack:
         running, servers, configs = await start(stack, 1)
         async with aiohttp.ClientSession() as http:
