@@ -20,6 +20,7 @@ from loadtest.fleetspec import FleetPlan
 from loadtest.livefleet import LiveFleet
 from loadtest.report import against_baseline, table, write_report
 from loadtest.simulate_cli import (
+    PRECISE_HELP,
     SetupError,
     add_fleet_arguments,
     fleet_from_args,
@@ -36,12 +37,15 @@ Results = dict[str, tuple[dict[str, Any], list[RequestRecord]]]
 
 def compare_offline(
     workload: Workload, fleet: FleetPlan, policies: list[str], out_dir: Path, seed: int = 0,
-    policy_config: str | None = None, progress: bool = True,
+    policy_config: str | None = None, progress: bool = True, precise: bool = False,
 ) -> Results:
+    """`precise` applies to the cache-aware policies (those that read the prompt)."""
     results: Results = {}
     for name in policies:
         policy, routing = policy_settings(name, policy_config, seed)
-        results[name] = run_offline(workload, fleet, policy, routing, out_dir / name, progress=progress)
+        results[name] = run_offline(
+            workload, fleet, policy, routing, out_dir / name, progress=progress, precise=precise
+        )
     return results
 
 
@@ -123,6 +127,7 @@ def register(subparsers: Any) -> None:
                         help="another router for live runs; COMMAND may use {port}, {workers}, {workers_csv}")
     parser.add_argument("--time-scale", type=float, default=10.0, help="live replicas' speed-up (default 10)")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="live: per-request deadline, real seconds")
+    parser.add_argument("--precise", action="store_true", help=PRECISE_HELP + "; offline only (refused with --live)")
     parser.add_argument("--seed", type=int, default=0, help="policies' random seed")
     parser.add_argument("--out", required=True, help="directory for report.md, plots and per-run results")
     parser.add_argument("--no-progress", action="store_true")
@@ -137,6 +142,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.external and not args.live:
             raise SetupError("--external needs --live")
+        if args.live and args.precise:
+            raise SetupError("--precise is offline only: a live run's kvlb predicts the cache")
         if args.live and args.fleet:
             raise SetupError("--live starts identical replicas: use --replicas and --profile, not --fleet")
         workload = workload_from_args(args.workload)
@@ -167,8 +174,11 @@ def main(args: argparse.Namespace) -> int:
         mode = "live"
     else:
         assert fleet is not None
-        results = compare_offline(workload, fleet, policies, out_dir, args.seed, args.policy_config, progress)
-        fleet_text, mode = fleet.description, "offline (kvlb simulate)"
+        results = compare_offline(
+            workload, fleet, policies, out_dir, args.seed, args.policy_config, progress, precise=args.precise
+        )
+        fleet_text = fleet.description
+        mode = "offline (kvlb simulate, precise mode)" if args.precise else "offline (kvlb simulate)"
     report = finish(results, out_dir, workload=workload, fleet=fleet_text, seed=args.seed, mode=mode, command=command)
     print_comparison(results)
     print(f"report: {report}")

@@ -22,6 +22,11 @@ from loadtest.summary import RequestRecord, summarize, write_results
 from loadtest.workloads import Workload, WorkloadError, load_workload
 
 HELP = "replay a workload through a routing policy on a virtual fleet, offline"
+PRECISE_HELP = (
+    "precise mode: cache-aware policies route on the engines' own KV cache events (prompts as "
+    "token ids, hashed in engine blocks) instead of predicting what each replica caches; "
+    "no effect on policies that do not read the prompt"
+)
 
 
 class SetupError(Exception):
@@ -80,6 +85,7 @@ def run_offline(
     routing: RoutingSettings,
     out_dir: Path | None = None,
     progress: bool = False,
+    precise: bool = False,
 ) -> tuple[dict[str, Any], list[RequestRecord]]:
     """Simulate, summarize, and write the results when `out_dir` is given."""
     total = len(workload.requests)
@@ -92,7 +98,7 @@ def run_offline(
             last[0] = now
             print(f"\r  {policy.name}: {done}/{total} requests simulated", end="", file=sys.stderr, flush=True)
 
-    result = simulate(fleet, workload.requests, policy, routing, show if progress else None)
+    result = simulate(fleet, workload.requests, policy, routing, show if progress else None, precise=precise)
     if progress:
         print(file=sys.stderr)
     cpu_s = time.process_time() - started
@@ -106,6 +112,7 @@ def run_offline(
         "replicas": len(fleet.replicas),
         "seed": policy.seed,
         "time_scale": 1.0,
+        "precise": result.precise,
         "simulation": {
             "cpu_seconds": round(cpu_s, 3),
             "events": result.events,
@@ -113,7 +120,9 @@ def run_offline(
             "decode_runs": result.decode_runs,
         },
     }
-    summary = summarize(result.records, result.duration_s, replicas=result.replicas, meta=meta)
+    summary = summarize(
+        result.records, result.duration_s, replicas=result.replicas, meta=meta, block_size=result.block_size
+    )
     if out_dir is not None:
         write_results(out_dir, result.records, summary)
     return summary, result.records
@@ -135,9 +144,17 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--policy-config", help="kvlb config whose policy params and routing section apply")
     parser.add_argument("--seed", type=int, default=0, help="the policy's random seed")
     parser.add_argument("--out", required=True, help="directory for requests.jsonl and summary.json")
+    parser.add_argument("--precise", action="store_true", help=PRECISE_HELP)
     parser.add_argument("--no-progress", action="store_true")
     add_fleet_arguments(parser)
     parser.set_defaults(func=main)
+
+
+def precise_applies(name: str) -> bool:
+    """Whether precise mode changes anything for the policy called `name`."""
+    from policies.registry import make_policy
+
+    return make_policy(name).needs_prompt
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -147,11 +164,14 @@ def print_summary(summary: dict[str, Any]) -> None:
         return "-" if value is None else f"{value * 1000:.0f} ms"
 
     ratio = summary["replica_max_min_ratio"]
+    within = summary.get("predicted_within_one_block")
     print(
-        f"{summary['policy']}: {summary['requests']} requests, {summary['errors']} errors, "
+        f"{summary['policy']}{' (precise)' if summary.get('precise') else ''}: "
+        f"{summary['requests']} requests, {summary['errors']} errors, "
         f"cache hit {summary['cache_hit_ratio']:.3f}, TTFT p50 {ms(ttft['p50'])} p99 {ms(ttft['p99'])}, "
         f"TPOT p50 {ms(summary['tpot_s']['p50'])}, max/min per replica "
         + ("-" if ratio is None else f"{ratio:.2f}")
+        + ("" if within is None else f", predicted hit within a block {within:.3f}")
     )
 
 
@@ -164,10 +184,14 @@ def main(args: argparse.Namespace) -> int:
             from policies.registry import make_policy
 
             make_policy(policy.name)  # an unknown name fails here, before any work
+        if args.precise and not precise_applies(policy.name):
+            print(f"kvlb simulate: --precise has no effect: {policy.name} does not read the prompt", file=sys.stderr)
     except (SetupError, ValueError) as exc:
         print(f"kvlb simulate: {exc}", file=sys.stderr)
         return 2
-    summary, _ = run_offline(workload, fleet, policy, routing, Path(args.out), progress=not args.no_progress)
+    summary, _ = run_offline(
+        workload, fleet, policy, routing, Path(args.out), progress=not args.no_progress, precise=args.precise
+    )
     print_summary(summary)
     sim = summary["simulation"]
     print(f"simulated {summary['duration_s']:.1f} s of traffic in {sim['cpu_seconds']:.1f} s of CPU; wrote {args.out}")

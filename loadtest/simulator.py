@@ -12,6 +12,17 @@ seconds to minutes. What decides a request's fate is the same code as in `kvlb s
 - each replica is `loadtest.replica.engine.Engine` with its prefix cache, fed the tokens
   the simulated replica's own parser makes of the same body.
 
+Precise mode (`precise=True`, cache-aware policies only) routes as `kvlb serve` does with
+`kv_events` enabled: `balancer.precise.PreciseTracker` predicts from the prompt's token ids
+(those of the words the engine is fed) and its exact index follows each engine's cache
+through `balancer.kv_events.KvEventIndex`. Each engine's prefix cache reports its changes to a
+listener, and the changes of one engine call go to the balancer as one message once the
+iteration that made them has ended, plus the one-way delay, as the live replica publishes
+them (`loadtest/replica/kv_events.py`). A planned run of plain decodes would publish only
+when applied; so before each routing decision the iterations of every planned run that have
+ended (one-way delay included) are applied and published, and the balancer knows what it would
+have known had each iteration been stepped.
+
 Speed: between two events that change a replica's batch, its iterations are plain decodes
 whose durations follow from the batch alone, so they are applied in one step
 (`Engine.decode_run`), and cut short when a request arrives in the middle.
@@ -30,24 +41,78 @@ from typing import Any
 
 import orjson
 
-from balancer.config import PolicySettings, ReplicaSettings, RoutingSettings
+from balancer.config import KvEventsSettings, PolicySettings, ReplicaSettings, RoutingSettings
 from balancer.errors import ClientError
 from balancer.fleet import Fleet, Replica
+from balancer.kv_events import Cleared, Event, KvEventIndex, Removed, Stored
+from balancer.precise import PreciseTracker
 from balancer.request import parse_request
 from balancer.routing import CacheTracker, Routed
 from loadtest.fleetspec import FleetPlan
 from loadtest.replica.engine import ContextLengthError, Engine, EngineConfig, QueueFullError, Status
 from loadtest.replica.engine import Sequence as EngineSeq
-from loadtest.replica.parsing import ApiError, parse_chat, parse_completion
+from loadtest.replica.kv_events import MEDIUM
+from loadtest.replica.parsing import ApiError, GenerationRequest, parse_chat, parse_completion
+from loadtest.replica.tokens import word_token_id
 from loadtest.summary import RequestRecord
 from loadtest.workloads import ROUTE_CHAT, WorkRequest
 from policies.base import Policy, RequestFeatures
 from policies.registry import make_policy
 
 MODEL = "sim-model"
-# Event kinds, in the order they run when they fall on the same instant: a replica's
-# iteration end before the arrivals it may have made room for.
-STEP, FIRST_TOKEN, FINISH, ARRIVE, REACH = range(5)
+# Event kinds, in the order they run when they fall on the same instant: KV events the
+# balancer receives first (so nothing at that instant routes without them, and a batch applied
+# at once by a step is never overtaken by an earlier one still queued); a replica's iteration
+# end before the arrivals it may have made room for.
+KV_EVENTS, STEP, FIRST_TOKEN, FINISH, ARRIVE, REACH = range(6)
+# Distinct words whose token ids are remembered; past it, the memory starts over.
+MAX_REMEMBERED_WORDS = 1_000_000
+
+
+class TokenIds(dict[str, int]):
+    """`tokens.token_ids`, remembering each word's id: prompts draw on a small vocabulary,
+    and hashing every word of every prompt and stored block anew was most of precise
+    mode's cost on long-prompt traces."""
+
+    def __missing__(self, word: str) -> int:
+        if len(self) >= MAX_REMEMBERED_WORDS:
+            self.clear()
+        token_id = self[word] = word_token_id(word)
+        return token_id
+
+    def of(self, words: Sequence[str]) -> list[int]:
+        return list(map(self.__getitem__, words))
+
+
+class KvEventRecorder:
+    """An engine's cache listener in precise mode: gathers the events of one engine call,
+    in the shape the balancer decodes from the live replica's messages."""
+
+    __slots__ = ("block_size", "events", "token_ids")
+
+    def __init__(self, block_size: int, token_ids: TokenIds) -> None:
+        self.block_size = block_size
+        self.token_ids = token_ids
+        self.events: list[Event] = []
+
+    def blocks_stored(self, hashes: Sequence[int], parent: int | None, tokens: Sequence[str]) -> None:
+        self.events.append(Stored(list(hashes), parent, self.token_ids.of(tokens), self.block_size, None, MEDIUM))
+
+    def block_removed(self, block_hash: int) -> None:
+        # Evictions come in runs (one allocation evicts many blocks): one event for the run,
+        # as engines may send, rather than an object per block.
+        events = self.events
+        if events and isinstance(last := events[-1], Removed):
+            last.block_hashes.append(block_hash)
+        else:
+            events.append(Removed([block_hash], MEDIUM))
+
+    def all_cleared(self) -> None:
+        self.events.append(Cleared())
+
+    def take(self) -> list[Event]:
+        events, self.events = self.events, []
+        return events
 
 
 @dataclass(slots=True)
@@ -71,6 +136,8 @@ class VirtualReplica:
     # A planned run of plain decode iterations not yet applied: (start, iterations, end).
     run: tuple[float, int, float] | None = None
     flights: dict[int, Flight] = field(default_factory=dict)  # engine seq_id -> flight
+    recorder: KvEventRecorder | None = None  # precise mode only
+    kv_sequence: int = 0  # the next KV event message's number
 
 
 @dataclass(slots=True)
@@ -81,6 +148,8 @@ class SimulationResult:
     iterations: int
     decode_runs: int
     events: int
+    block_size: int = 16  # the engines' KV block size in tokens
+    precise: bool = False  # routed on the engines' KV events
 
 
 class Simulator:
@@ -91,6 +160,7 @@ class Simulator:
         routing: RoutingSettings | None = None,
         max_attempts: int = 3,
         decode_runs: bool = True,
+        precise: bool = False,
     ) -> None:
         self.decode_runs_enabled = decode_runs
         self.now = 0.0
@@ -104,15 +174,34 @@ class Simulator:
             for plan in fleet.replicas
         ]
         self.fleet = Fleet(settings)
-        self.tracker = CacheTracker(self.routing, lambda: self.now) if self.policy.needs_prompt else None
-        self.nodes: dict[str, VirtualReplica] = {}
-        for plan, replica in zip(fleet.replicas, self.fleet.replicas, strict=True):
-            engine = Engine(EngineConfig(
+        engines = [
+            Engine(EngineConfig(
                 profile=plan.profile, kv_capacity_tokens=plan.kv_capacity_tokens,
                 max_running=plan.max_running, max_batched_tokens=plan.max_batched_tokens,
                 context_limit=plan.context_limit,
             ))
-            self.nodes[replica.name] = VirtualReplica(replica, engine, plan.round_trip_s / 2)
+            for plan in fleet.replicas
+        ]
+        self.block_size = max((engine.block_size for engine in engines), default=16)
+        self.tracker: CacheTracker | None = None
+        # Precise mode's event intake; None when routing predicts (or needs no prompt).
+        self.kv_events: KvEventIndex | None = None
+        if self.policy.needs_prompt and precise:
+            if any(engine.block_size != self.block_size for engine in engines):
+                # The exact index hashes one block size; other replicas' events would be ignored.
+                raise ValueError("precise mode needs the same KV block size on every replica")
+            kv_settings = KvEventsSettings(enabled=True, block_size=self.block_size)
+            tracker = PreciseTracker(self.routing, kv_settings, lambda: self.now)
+            self.tracker, self.kv_events = tracker, tracker.events
+        elif self.policy.needs_prompt:
+            self.tracker = CacheTracker(self.routing, lambda: self.now)
+        self.token_ids = TokenIds()
+        self.nodes: dict[str, VirtualReplica] = {}
+        for plan, replica, engine in zip(fleet.replicas, self.fleet.replicas, engines, strict=True):
+            node = self.nodes[replica.name] = VirtualReplica(replica, engine, plan.round_trip_s / 2)
+            if self.kv_events is not None:
+                node.recorder = KvEventRecorder(engine.block_size, self.token_ids)
+                engine.set_cache_listener(node.recorder)
             if self.tracker is not None:
                 # As `kvlb serve` learns it from each replica's /get_server_info.
                 self.tracker.index.set_capacity(replica.name, engine.cache.capacity_tokens)
@@ -133,7 +222,7 @@ class Simulator:
         pending = sorted(requests, key=lambda r: (r.arrival_s, r.index))
         events = self._events
         handlers = {
-            STEP: self._step, FIRST_TOKEN: self._first_token, FINISH: self._finish,
+            KV_EVENTS: self._deliver, STEP: self._step, FIRST_TOKEN: self._first_token, FINISH: self._finish,
             ARRIVE: self._arrive, REACH: self._reach,
         }
         pop = heapq.heappop
@@ -162,7 +251,8 @@ class Simulator:
         start = min((r.send_s for r in records), default=0.0)
         iterations = sum(node.engine.counters.iterations for node in self.nodes.values())
         return SimulationResult(
-            records, end - start, list(self.nodes), iterations, self.decode_runs, self.events
+            records, end - start, list(self.nodes), iterations, self.decode_runs, self.events,
+            self.block_size, self.kv_events is not None,
         )
 
     # -- the balancer side ---------------------------------------------------------------
@@ -176,24 +266,42 @@ class Simulator:
         except ClientError as exc:
             self._record_error(request, exc.status, exc.message)
             return
+        prompt = features.prompt
+        parsed = None
+        if self.kv_events is not None and prompt is not None:
+            self._catch_up()
+            # Precise mode routes on the token ids the engine will see, as `kvlb serve` does
+            # with the engine's tokenizer, so a prediction and the engine's hit are comparable
+            # token for token.
+            parsed = self._parse(request, payload)
+            if parsed is None:
+                return
+            prompt = self.token_ids.of(parsed.tokens)
         routed = None
-        if self.tracker is not None and features.prompt is not None:
-            routed = self.tracker.predict(features.prompt)
+        if self.tracker is not None and prompt is not None:
+            routed = self.tracker.predict(prompt)
             features = RequestFeatures(
                 route=request.route, model=features.model, stream=True,
-                session_key=features.session_key, prompt=features.prompt,
+                session_key=features.session_key, prompt=prompt,
                 prompt_tokens=routed.prompt_tokens, cached_tokens=routed.cached,
                 origin_region=self.region,
             )
         ranking = self.policy.rank(features, candidates)
-        try:
-            # The replica's own parser, on the body it would receive.
-            parsed = (parse_chat if request.route == ROUTE_CHAT else parse_completion)(payload)
-        except ApiError as exc:
-            self._record_error(request, 400, str(exc))
-            return
+        if parsed is None:
+            parsed = self._parse(request, payload)
+            if parsed is None:
+                return
         flight = Flight(request, routed)
         self._attempt(flight, [choice.replica for choice in ranking[: self.max_attempts]], parsed)
+
+    def _parse(self, request: WorkRequest, payload: dict[str, Any]) -> GenerationRequest | None:
+        """The replica's own parser, on the body it would receive; None (and an error
+        record) when it refuses the body."""
+        try:
+            return (parse_chat if request.route == ROUTE_CHAT else parse_completion)(payload)
+        except ApiError as exc:
+            self._record_error(request, 400, str(exc))
+            return None
 
     def _attempt(self, flight: Flight, choices: list[Any], parsed: Any) -> None:
         """Send to the first choice; it reaches the engine after the one-way delay."""
@@ -243,6 +351,9 @@ class Simulator:
         self._release(flight, answered=True)
         request = flight.request
         one_way = flight.node.one_way_s  # type: ignore[union-attr]
+        predicted = None
+        if flight.routed is not None:
+            predicted = self._predicted(flight.routed, flight.replica.name, seq.prompt_tokens)  # type: ignore[union-attr]
         ttft = seq.first_token_time + one_way - request.arrival_s
         e2e = seq.finish_time + one_way - request.arrival_s
         out = seq.num_generated
@@ -251,7 +362,19 @@ class Simulator:
             replica=flight.replica.name, session=request.session,  # type: ignore[union-attr]
             prompt_tokens=seq.prompt_tokens, cached_tokens=seq.cached_tokens, output_tokens=out,
             ttft_s=ttft, e2e_s=e2e, tpot_s=(e2e - ttft) / (out - 1) if out > 1 else None, itl_s=[],
+            predicted_cached_tokens=predicted,
         )
+
+    @staticmethod
+    def _predicted(routed: Routed, replica: str, prompt_tokens: int) -> int:
+        """The chosen replica's predicted hit in the replica's tokens. Precise mode counts
+        those already; approximate mode estimates tokens from characters, so its prediction
+        is taken as the same fraction of the replica's prompt (as `CacheTracker.learn`
+        compares them)."""
+        cached = routed.cached.get(replica, 0)
+        if routed.prompt_tokens <= 0 or routed.prompt_tokens == prompt_tokens:
+            return min(cached, prompt_tokens)
+        return min(cached * prompt_tokens // routed.prompt_tokens, prompt_tokens)
 
     def _release(self, flight: Flight, answered: bool) -> None:
         replica = flight.replica
@@ -285,6 +408,7 @@ class Simulator:
         engine = node.engine
         done, end = engine.decode_run_times(start, iterations, until=time)
         engine.advance_decode(start, done, end)
+        self._publish(node, end)
         self._schedule_step(node, end)
 
     def _step(self, node: VirtualReplica, version: int) -> None:
@@ -297,6 +421,7 @@ class Simulator:
             start, iterations, end = run
             node.run = None
             engine.advance_decode(start, iterations, end)
+            self._publish(node, end)
         now = self.now
         length = engine.decode_run() if self.decode_runs_enabled else 0
         if length > 1:
@@ -307,7 +432,9 @@ class Simulator:
             return
         iteration = engine.step(now)
         if iteration is None:
+            self._publish(node, now)  # a step that ran nothing may still have evicted
             return  # idle until the next request reaches it
+        self._publish(node, iteration.end)
         arrive = iteration.end + node.one_way_s
         for seq in iteration.emitted:
             if seq.num_generated == 1 and seq.status is not Status.FINISHED:
@@ -317,6 +444,64 @@ class Simulator:
         if engine.has_work:
             self._schedule_step(node, iteration.end)
 
+    # -- precise mode: the engines' KV events -------------------------------------------
+
+    def _publish(self, node: VirtualReplica, ended: float) -> None:
+        """Send the events of the engine call just made, whose iteration ends at `ended`:
+        they reach the balancer the one-way delay later, as its tokens do."""
+        recorder = node.recorder
+        if recorder is None or not recorder.events:
+            return
+        batch = (node, recorder.take())
+        arrive = ended + node.one_way_s
+        if arrive > self.now:
+            self._at(arrive, KV_EVENTS, batch)
+        else:
+            # Batches run first at their instant, so none of this replica's is still queued.
+            self._deliver(batch, 0)
+
+    def _catch_up(self) -> None:
+        """Apply the iterations of planned decode runs whose events have reached the balancer
+        by now; the rest of each run stays planned to the same end."""
+        now = self.now
+        for node in self.nodes.values():
+            run = node.run
+            if run is None:
+                continue
+            start, iterations, end = run
+            heard = now - node.one_way_s  # iterations that ended by then have been heard of
+            if start >= heard:
+                continue
+            engine = node.engine
+            # Counts the iterations begun by `heard`; the last of them may still be running.
+            done, done_end = engine.decode_run_times(start, iterations, until=heard)
+            if done_end > heard:
+                done, done_end = engine.decode_run_times(start, done - 1)
+            if not done:
+                continue
+            engine.advance_decode(start, done, done_end)
+            node.run = (done_end, iterations - done, end)
+            self._publish(node, done_end)
+
+    def _deliver(self, batch: tuple[VirtualReplica, list[Event]], _version: int) -> None:
+        """What `balancer.kv_events.KvEventSubscriber` does with one message."""
+        node, events = batch
+        intake = self.kv_events
+        assert intake is not None
+        name = node.replica.name
+        intake.sequence(name, node.kv_sequence)
+        node.kv_sequence += 1
+        intake.apply(name, events)
+        intake.stats.batches += 1
+
+    def flush_cache(self, replica: str) -> None:
+        """The replica's `/flush_cache` at the current time: drop its unreferenced cached
+        blocks. The live replica publishes right after a flush, not at an iteration's end.
+        Once a run is over, `run([])` delivers what is still on its way."""
+        node = self.nodes[replica]
+        node.engine.clear_cache()
+        self._publish(node, self.now)
+
 
 def simulate(
     fleet: FleetPlan,
@@ -324,5 +509,6 @@ def simulate(
     policy: PolicySettings,
     routing: RoutingSettings | None = None,
     progress: Callable[[int], None] | None = None,
+    precise: bool = False,
 ) -> SimulationResult:
-    return Simulator(fleet, policy, routing).run(requests, progress)
+    return Simulator(fleet, policy, routing, precise=precise).run(requests, progress)

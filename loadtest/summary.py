@@ -33,6 +33,9 @@ class RequestRecord:
     e2e_s: float | None
     tpot_s: float | None
     itl_s: list[float] = field(default_factory=list)
+    # The routing's predicted hit on the replica that served it, in the replica's tokens;
+    # None where nothing was predicted (a policy blind to the prompt, a live run).
+    predicted_cached_tokens: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -69,7 +72,10 @@ def summarize(
     *,
     replicas: Sequence[str] = (),
     meta: Mapping[str, Any] | None = None,
+    block_size: int = 16,
 ) -> dict[str, Any]:
+    """`block_size` is the engines' KV block in tokens: a prediction off by less than one
+    block is as right as a block-granular cache lets it be."""
     ok = [r for r in records if r.ok]
     errors = [r for r in records if not r.ok]
     error_kinds = Counter(r.error or f"HTTP {r.status}" for r in errors)
@@ -80,6 +86,8 @@ def summarize(
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
     output = sum(r.output_tokens for r in ok)
+    predicted = [r for r in ok if r.predicted_cached_tokens is not None]
+    within_block = sum(abs(r.predicted_cached_tokens - r.cached_tokens) <= block_size for r in predicted)  # type: ignore[operator]
 
     per_replica: dict[str, int] = dict.fromkeys(replicas, 0)
     for r in ok:
@@ -109,6 +117,7 @@ def summarize(
         "cached_tokens": cached,
         "output_tokens": output,
         "cache_hit_ratio": cached / prompt if prompt else 0.0,
+        "predicted_within_one_block": within_block / len(predicted) if predicted else None,
         "requests_per_replica": dict(sorted(per_replica.items())),
         "replica_max_min_ratio": ratio,
     }
