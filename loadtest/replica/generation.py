@@ -27,6 +27,7 @@ from loadtest.replica.parsing import (
     parse_completion,
     parse_generate,
     parse_json_object,
+    read_body,
 )
 from loadtest.replica.responses import (
     DONE,
@@ -77,13 +78,7 @@ class GenerationRoutes:
         self, request: web.Request, parse: Callable[[dict[str, Any]], GenerationRequest]
     ) -> web.StreamResponse:
         try:
-            try:
-                body = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                raise ApiError(
-                    413, f"request body exceeds {self.config.max_body_bytes} bytes",
-                    "request_too_large",
-                ) from None  # fmt: skip
+            body = await read_body(request, self.config.max_body_bytes)
             if self.faults.should_reject():
                 raise service_unavailable("injected fault: server unavailable")
             await self.faults.hang()

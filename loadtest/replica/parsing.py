@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from aiohttp import web
 
 from loadtest.replica.tokens import PromptError, chat_tokens, id_tokens, text_tokens
 
@@ -60,6 +61,14 @@ class GenerationRequest:
     include_usage: bool
     model: str | None
     request_id: str | None = None
+
+
+async def read_body(request: web.Request, max_body_bytes: int) -> bytes:
+    """The request's body, or a 413 in the OpenAI error shape past the configured limit."""
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"request body exceeds {max_body_bytes} bytes", "request_too_large") from None
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from loadtest.replica.faults import Faults, FaultSpecError, FaultState
 from loadtest.replica.generation import GenerationRoutes, error_response
 from loadtest.replica.kv_events import KvEventPublisher
 from loadtest.replica.metrics import build_registry, render
-from loadtest.replica.parsing import ApiError, bad_request, parse_json_object
+from loadtest.replica.parsing import ApiError, bad_request, parse_json_object, read_body
 from loadtest.replica.tokens import PromptError, chat_tokens, text_tokens, token_ids
 
 log = logging.getLogger("kvlb.replica")
@@ -246,13 +246,7 @@ class ReplicaServer:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         try:
-            try:
-                body = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                raise ApiError(
-                    413, f"request body exceeds {self.config.max_body_bytes} bytes",
-                    "request_too_large",
-                ) from None  # fmt: skip
+            body = await read_body(request, self.config.max_body_bytes)
             data = parse_json_object(body)
             tokens = tokenize_words(data)
         except ApiError as error:
