@@ -71,6 +71,9 @@ class PrefixIndex:
         # Kept by name, so it outlives remove_replica (a restart empties a cache, not its size).
         self._capacity_tokens: dict[str, float] = {}
         self._entries = 0
+        # True while every parent is more recent than its children in the LRUs (all `record`
+        # calls); `extend` gives that up, and age-based removal then takes subtrees.
+        self.ordered = True
         self._next_expiry = inf  # no entry expires before this, so most calls skip the check
         # Entries evicted, by cause, for /metrics: past their TTL, past a replica's KV capacity
         # (its LRU), past the global max_entries budget. Corrections, failed attempts and
@@ -208,20 +211,43 @@ class PrefixIndex:
         """`replica` now holds `hashes`, the blocks that follow block `parent` (None: from
         the root), as an engine's KV event reports them. False, and nothing recorded, when
         the replica is not listed as holding `parent`: without the path to it the blocks
-        could never be matched."""
-        path: list[int] = []
+        could never be matched.
+
+        Unlike `record`, the ancestors are not refreshed: walking to the root for every
+        block a long conversation decodes would cost O(depth) an event. The LRU then lists
+        some parents before their children, so from the first call on, removal by age takes
+        whole subtrees (`ordered` turns false). An index fed this way should be bounded by
+        its owner's removals, as the engines' events bound it, not by capacity or TTL.
+        """
+        nodes = self._nodes
+        now = self._clock()
+        self._expire(now)
         if parent is not None:
             rid = self._ids.get(replica)
-            node = self._nodes.get(parent)
+            node = nodes.get(parent)
             if rid is None or node is None or not node[_MASK] & 1 << rid:
                 return False
-            h: int | None = parent
-            while h is not None:  # holders of a block hold its ancestors, so the walk is whole
-                path.append(h)
-                h = self._nodes[h][_PARENT]
-            path.reverse()
-        path.extend(hashes)
-        self.record(replica, path)
+        else:
+            rid = self._id_of(replica)
+        self.ordered = False
+        bit = 1 << rid
+        lru = self._lru[rid]
+        before = len(lru)
+        previous = parent
+        for h in hashes:
+            node = nodes.get(h)
+            if node is None:
+                nodes[h] = (bit, previous, None)
+                if previous is not None:
+                    self._link(previous, h)
+            elif not node[_MASK] & bit:
+                nodes[h] = (node[_MASK] | bit, node[_PARENT], node[_CHILDREN])
+            lru[h] = now
+            lru.move_to_end(h)
+            previous = h
+        self._entries += len(lru) - before
+        self._next_expiry = min(self._next_expiry, now + self.ttl_s)
+        self._enforce_budget()
         return True
 
     def discard(self, replica: str, h: int) -> int:
@@ -248,6 +274,10 @@ class PrefixIndex:
         node = nodes.get(start)
         if node is None or not node[_MASK] & bit:
             return 0
+        if node[_CHILDREN] is None:  # a leaf, as engines evict them: no walk
+            del self._lru[rid][start]
+            self._drop(bit, start)
+            return 1
         subtree = [start]  # parents before children
         for h in subtree:  # grows while it is walked
             for child in _children(nodes[h][_CHILDREN]):
@@ -279,9 +309,9 @@ class PrefixIndex:
             h = next(iter(lru))
             if lru[h] > t:
                 break
-            del lru[h]
-            self._drop(bit, h)
-            removed += 1
+            before = len(lru)
+            self._pop_front(rid, bit, h)
+            removed += before - len(lru)
         return removed
 
     def remove_replica(self, replica: str) -> int:
@@ -326,7 +356,8 @@ class PrefixIndex:
                 holders[h] = holders.get(h, 0) | 1 << rid
                 parent = nodes[h][_PARENT]
                 if parent is not None:
-                    assert position.get(parent, -1) > i, "parent missing or older than child"
+                    assert parent in position, "parent missing"
+                    assert not self.ordered or position[parent] > i, "parent older than child"
         assert self._entries == sum(map(len, self._lru)), "entry count drifted"
         assert self._entries <= self.max_entries, "over the memory budget"
         assert holders == {h: node[_MASK] for h, node in nodes.items()}, "masks disagree"
@@ -387,6 +418,11 @@ class PrefixIndex:
     def _pop_oldest(self, rid: int, count: int) -> None:
         lru = self._lru[rid]
         bit = 1 << rid
+        if not self.ordered:
+            left = len(lru) - count
+            while len(lru) > left:
+                self._drop_subtree(rid, next(iter(lru)))
+            return
         for _ in range(count):
             h, _ = lru.popitem(last=False)
             self._drop(bit, h)
@@ -420,9 +456,15 @@ class PrefixIndex:
                 h = next(iter(lru))
                 if lru[h] > runner_up:
                     break
-                del lru[h]
-                self._drop(bit, h)
+                self._pop_front(oldest_rid, bit, h)
         self.evicted_budget += before - self._entries
+
+    def _pop_front(self, rid: int, bit: int, h: int) -> None:
+        if self.ordered:
+            del self._lru[rid][h]
+            self._drop(bit, h)
+        else:
+            self._drop_subtree(rid, h)
 
     def _expire(self, now: float) -> None:
         if now < self._next_expiry:
@@ -438,8 +480,7 @@ class PrefixIndex:
                 if t > cutoff:
                     next_expiry = min(next_expiry, t + self.ttl_s)
                     break
-                del lru[h]
-                self._drop(bit, h)
+                self._pop_front(rid, bit, h)
         self._next_expiry = next_expiry
         self.evicted_ttl += before - self._entries
 

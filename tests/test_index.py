@@ -312,3 +312,25 @@ def test_forget_older_than_drops_what_an_lru_engine_evicted_first() -> None:
     assert index.match(old) == {} and index.match(mid) == {}
     assert index.match(new) == {"r": len(new)}
     index.check_invariants()
+
+
+def test_extend_follows_events_and_budget_removal_takes_whole_subtrees():
+    index, clock = make(max_entries=10)
+    assert not index.extend("r", CHAT_A[3], CHAT_A[4:])  # parent never stored: refused
+    assert index.extend("r", None, CHAT_A[:4])
+    clock.now += 1
+    assert index.extend("r", CHAT_A[3], CHAT_A[4:6])
+    clock.now += 1
+    assert index.extend("r", CHAT_A[5], CHAT_A[6:])  # decoding on: one block at a time, no walk
+    assert index.match(CHAT_A) == {"r": 8}
+    index.check_invariants()
+    clock.now += 1
+    # Over the budget: the oldest entries are the system prompt, a parent of everything.
+    # Removing by age must not leave its children orphaned in the index.
+    index.extend("q", None, CHAT_B[:4])
+    clock.now += 1
+    index.extend("q", CHAT_B[3], CHAT_B[4:])
+    index.check_invariants()
+    # r's system prompt was oldest, so r went whole rather than as a prompt without its start.
+    assert index.match(CHAT_A) == {"q": 4}
+    assert index.entries == 6 and index.evicted_budget == 8
