@@ -290,6 +290,7 @@ class ReplicaSetSettings:
     weight: float = _checked(1.0, _positive)
     max_concurrency: int | None = _checked(None, _at_least(1))
     kv_capacity_tokens: int | None = _checked(None, _at_least(1))
+    kv_events_port: int | None = _checked(None, _port)  # each member's KV event publisher (precise mode)
     refresh_s: float = _checked(10.0, _positive)
 
 

@@ -37,6 +37,9 @@ def member_settings(replica_set: ReplicaSetSettings, address: str) -> ReplicaSet
         weight=replica_set.weight,
         max_concurrency=replica_set.max_concurrency,
         kv_capacity_tokens=replica_set.kv_capacity_tokens,
+        kv_events_endpoint=(
+            None if replica_set.kv_events_port is None else f"tcp://{host}:{replica_set.kv_events_port}"
+        ),
     )
 
 

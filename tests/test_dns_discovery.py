@@ -71,3 +71,34 @@ def test_ipv6_members_get_bracketed_urls() -> None:
     (replica_set,) = make_settings([], replica_sets=[{"host": "h", "port": 80}]).replica_sets
     member = member_settings(replica_set, "fd00::5")
     assert member.url == "http://[fd00::5]:80" and member.name == "h/[fd00::5]:80"
+
+
+async def test_members_of_a_replica_set_feed_precise_mode_from_their_event_port() -> None:
+    from loadtest.replica.config import ReplicaConfig
+    from loadtest.replica.launch import running_replica
+
+    events_port = free_port()
+
+    async def resolver(host: str, _port: int) -> list[str]:
+        return ["127.0.0.1"]
+
+    async with AsyncExitStack() as stack:
+        replica = await stack.enter_async_context(running_replica(ReplicaConfig(
+            model="sim", time_scale=200, kv_events_endpoint=f"tcp://*:{events_port}")))
+        settings = make_settings(
+            [], replica_sets=[{"host": "llm.test", "port": replica.port, "kv_events_port": events_port}],
+            policy={"name": "cache_aware"}, kv_events={"enabled": True},
+        )
+        running = await start_balancer(settings, port=random.randrange(*TEST_PORT_RANGE), resolver=resolver)
+        stack.push_async_callback(running.close, 0.5)
+        (member,) = running.balancer.fleet.replicas
+        assert member.settings.kv_events_endpoint == f"tcp://127.0.0.1:{events_port}"
+        stats = running.balancer.tracker.events.stats
+        async with aiohttp.ClientSession() as http:
+            for n in range(100):  # new prompts until the subscription has reached the publisher
+                body = {"model": "sim", "prompt": " ".join(f"w{n}x{i}" for i in range(64)), "max_tokens": 2}
+                async with http.post(f"http://127.0.0.1:{running.port}/v1/completions", json=body) as r:
+                    assert r.status == 200
+                if stats.stored_blocks:
+                    break
+        assert stats.stored_blocks > 0 and member.name in stats.connected
