@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import os
 import shlex
 import signal
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from balancer.children import dies_with_parent
 from balancer.config import ConfigError, Settings, parse_settings
 from balancer.engines import (
     DEFAULT_BASE_PORT,
@@ -39,7 +39,6 @@ HEALTH_POLL_S = 0.5
 HEALTH_TIMEOUT_S = 2.0
 STOP_GRACE_S = 10.0
 LOG_TAIL_LINES = 30
-PR_SET_PDEATHSIG = 1
 CONFIG_MARKER = "# kvlb configuration"
 
 
@@ -194,12 +193,6 @@ def _busy_ports(spec: LaunchSpec) -> list[str]:
 # --- engine processes -------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    # If the launcher is killed outright (no finally runs), the engine still gets SIGTERM.
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 @dataclass
 class Engine:
     launch: EngineLaunch
@@ -236,7 +229,7 @@ def start_engine(launch: EngineLaunch, log_dir: Path) -> Engine:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=dies_with_parent(),  # a launcher killed outright still stops its engines
         )
     return Engine(launch, proc, log_path)
 

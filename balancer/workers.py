@@ -9,12 +9,12 @@ all have stopped after a signal.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import signal
 import subprocess
-import sys
 import time
+
+from balancer.children import dies_with_parent
 
 log = logging.getLogger("kvlb.workers")
 
@@ -22,16 +22,9 @@ RESTART_DELAY_S = 1.0
 POLL_S = 0.2
 
 
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_supervisor() -> None:
-    # A supervisor killed outright runs no cleanup; its workers must not outlive it.
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def _start(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(argv, preexec_fn=_die_with_supervisor if sys.platform == "linux" else None)
+    # A supervisor killed outright runs no cleanup; its workers must not outlive it.
+    return subprocess.Popen(argv, preexec_fn=dies_with_parent())
 
 
 def supervise(count: int, argv: list[str], port: int) -> int:

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import random
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import aiohttp
 
+from balancer.children import dies_with_parent
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
@@ -32,12 +31,6 @@ def free_port() -> int:
     raise RuntimeError("no free port in 20000-32000")
 
 
-def _die_with_parent() -> None:
-    # If the starter is killed outright (no finally runs), the child still goes with it.
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def start_process(argv: list[str], env: dict[str, str] | None = None, quiet: bool = True) -> subprocess.Popen:
     # A session of its own, so stopping it also stops anything it started.
     return subprocess.Popen(
@@ -46,7 +39,7 @@ def start_process(argv: list[str], env: dict[str, str] | None = None, quiet: boo
         stdout=subprocess.DEVNULL if quiet else None,
         stderr=subprocess.DEVNULL if quiet else None,
         start_new_session=True,
-        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        preexec_fn=dies_with_parent(),  # a starter killed outright still takes it along
     )
 
 
