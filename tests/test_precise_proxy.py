@@ -9,6 +9,7 @@ from contextlib import AsyncExitStack
 
 import aiohttp
 
+from loadtest.engines.e2e import predicted_cached
 from loadtest.procs import free_port
 from loadtest.replica.config import ReplicaConfig
 from loadtest.replica.launch import running_replica
@@ -48,17 +49,12 @@ async def start(stack: AsyncExitStack, replicas: int, kv_capacity_tokens: int | 
     return running, servers, configs
 
 
-def predicted(headers) -> int:
-    chosen = headers["x-kvlb-route"].split(";")[0].split()
-    return int(float(dict(term.split("=") for term in chosen[1:])["cached"]))
-
-
 async def chat(http, url, messages):
     body = {"model": MODEL, "messages": messages, "max_tokens": 4}
     async with http.post(url + "/v1/chat/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
         usage = (await resp.json())["usage"]
-        return resp.headers["x-kvlb-replica"], usage["prompt_tokens_details"]["cached_tokens"], predicted(resp.headers)
+        return resp.headers["x-kvlb-replica"], usage["prompt_tokens_details"]["cached_tokens"], predicted_cached(resp.headers["x-kvlb-route"])
 
 
 async def settle(running, blocks_at_least: int) -> None:
