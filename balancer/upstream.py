@@ -6,11 +6,16 @@ proxy needs none of that: it sends bytes it already has and relays the bytes it 
 client writes the request in one call and parses the status line, headers and body framing
 (Content-Length, chunked, or until close) itself. Bodies are handed over as they arrive, with
 backpressure: reading from the replica pauses while the client is slow to take them.
+
+Whatever a replica sends in its head is relayed to clients, so the head is checked strictly
+(RFC 9110/9112) before anything of it is believed: a lenient parse would let a broken or
+compromised replica split responses or inject header lines into the client's answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 import time
 from collections import deque
@@ -19,15 +24,52 @@ from urllib.parse import urlsplit
 
 from balancer.chunked import ChunkedDecoder, ChunkedError
 
-MAX_HEAD_BYTES = 64 * 1024
+MAX_HEAD_BYTES = 64 * 1024  # every interim 1xx head and the final one, together
+# RFC 9110 §15.2 asks clients to take any number of 1xx answers; a replica that keeps sending
+# them is stuck or hostile, and the proxy has nothing to gain from waiting on it.
+MAX_INTERIM_RESPONSES = 16
 PAUSE_ABOVE_BYTES = 256 * 1024
 RESUME_BELOW_BYTES = 64 * 1024
 _NO_BODY_STATUSES = frozenset({204, 304})
 
+# Compiled once: these run on every upstream answer. The head is decoded as latin-1, so
+# obs-text (0x80-0xff) is one character each. Of the controls only tab is allowed, and CR and
+# LF only as the CRLF that ends a line: that is what keeps a value from becoming a header.
+_STATUS_LINE = re.compile(r"HTTP/1\.([0-9]) ([1-5][0-9][0-9])(?: ([\t\x20-\x7e\x80-\xff]*))?")
+_FIELD = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+:[\t\x20-\x7e\x80-\xff]*"
+_FIELD_LINE = re.compile(_FIELD)
+# One match for the whole header block instead of one per line; the line's own pattern is
+# only needed to name the bad line in the error.
+_HEADER_BLOCK = re.compile(rf"{_FIELD}(?:\r\n{_FIELD})*")
+# 18 digits fit an int64 and stay far below int()'s limit on digit strings (ValueError).
+_CONTENT_LENGTH = re.compile(r"[0-9]{1,18}")
 
-def _ascii_digits(text: str) -> bool:
-    # str.isdigit() also accepts '²' and other Unicode digits, which int() then rejects.
-    return text.isascii() and text.isdigit()
+
+def _content_length(value: str) -> int:
+    """RFC 9110 §8.6 lets a recipient take `42, 42` (a list of one repeated value) as 42;
+    differing values leave the body's end unknown, so the answer cannot be framed at all."""
+    if _CONTENT_LENGTH.fullmatch(value):
+        return int(value)
+    values = {part.strip(" \t") for part in value.split(",")}
+    if len(values) == 1:
+        (single,) = values
+        if _CONTENT_LENGTH.fullmatch(single):
+            return int(single)
+    raise UpstreamError(f"bad Content-Length: {value[:80]!r}")
+
+
+def _bad_field_line(block: str) -> str:
+    for line in block.split("\r\n"):
+        if _FIELD_LINE.fullmatch(line) is None:
+            return line
+    return block  # unreachable when the block as a whole failed to match
+
+
+def _bare_lf(data: bytes, after_cr: bool) -> bool:
+    """An LF not preceded by CR; `after_cr` says the bytes before `data` ended with CR."""
+    if after_cr:
+        data = b"\r" + data
+    return data.count(b"\n") != data.count(b"\r\n")
 
 
 class UpstreamError(ConnectionError):
@@ -152,6 +194,8 @@ class _Connection(asyncio.Protocol):
         self._got_bytes = False
         self._complete = False
         self._chunked: ChunkedDecoder | None = None
+        self._head_bytes = 0  # of the heads already parsed for this request (1xx included)
+        self._interim = 0
 
     # asyncio.Protocol -------------------------------------------------------------------------
 
@@ -167,6 +211,12 @@ class _Connection(asyncio.Protocol):
         self._fail(UpstreamError(f"connection to {self.pool.name} closed" + (f": {exc}" if exc else "")))
 
     def data_received(self, data: bytes) -> None:
+        if self._head_waiter is None or self._complete:
+            # Bytes after the answer ended (or on an idle connection) belong to no request: the
+            # replica is out of step with us, and the next answer read here could be anyone's.
+            self._keep_alive = False
+            self.abort()
+            return
         self._got_bytes = True
         try:
             self._parse(data)
@@ -230,21 +280,12 @@ class _Connection(asyncio.Protocol):
 
     def _parse(self, data: bytes) -> None:
         if self._body_mode == "":
-            self._buffer += data
-            end = self._buffer.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self._buffer) > MAX_HEAD_BYTES:
-                    raise UpstreamError("response headers too large")
+            data = self._parse_heads(data)
+            if self._body_mode == "" or not data:
                 return
-            head, data = self._buffer[:end], self._buffer[end + 4:]
-            self._buffer = b""
-            if not self._start_response(head):
-                # 1xx interim answer: the real one follows.
-                if data:
-                    self._parse(data)
+            if self._complete:
+                self._keep_alive = False  # bytes beyond a body-less answer: out of step
                 return
-        if not data:
-            return
         response = self._response
         assert response is not None
         if self._body_mode == "length":
@@ -265,48 +306,104 @@ class _Connection(asyncio.Protocol):
         elif self._body_mode == "close":
             response._feed(data)
 
+    def _parse_heads(self, data: bytes) -> bytes:
+        """Read interim 1xx heads and the final one; returns the bytes after the final head.
+
+        A loop rather than a call per head, so a run of 1xx answers in one read cannot grow
+        the stack. The size limit counts every head of the answer, whether or not its end has
+        arrived, so a head that comes whole in one read is held to it as well.
+        """
+        buffer = self._buffer + data if self._buffer else data
+        after_cr = self._buffer.endswith(b"\r")
+        scan_from = max(0, len(self._buffer) - 3)  # the terminator may straddle the reads
+        start = 0
+        while True:
+            end = buffer.find(b"\r\n\r\n", max(start, scan_from))
+            if end < 0:
+                if self._head_bytes + len(buffer) - start > MAX_HEAD_BYTES:
+                    raise UpstreamError(f"response head over {MAX_HEAD_BYTES} bytes")
+                # Only the new bytes are scanned, so a head trickling in stays linear; caught
+                # here, an LF-only head fails now instead of at the first-byte timeout.
+                if _bare_lf(data, after_cr):
+                    raise UpstreamError("bare LF in the response head")
+                self._buffer = buffer[start:] if start else buffer
+                return b""
+            self._head_bytes += end + 4 - start
+            if self._head_bytes > MAX_HEAD_BYTES:
+                raise UpstreamError(f"response head over {MAX_HEAD_BYTES} bytes")
+            if self._start_response(buffer[start:end]):
+                self._buffer = b""
+                return buffer[end + 4:]
+            self._interim += 1
+            if self._interim > MAX_INTERIM_RESPONSES:
+                raise UpstreamError(f"over {MAX_INTERIM_RESPONSES} interim 1xx responses")
+            start = end + 4
+
     def _start_response(self, head: bytes) -> bool:
+        """Parse one head; False for a 1xx interim answer (the real one follows)."""
         status_line, _, block = head.decode("latin-1").partition("\r\n")
-        parts = status_line.split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not _ascii_digits(parts[1]):
+        match = _STATUS_LINE.fullmatch(status_line)
+        if match is None:
             raise UpstreamError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
-        status = int(parts[1])
-        if 100 <= status < 200:
+        if block and _HEADER_BLOCK.fullmatch(block) is None:
+            raise UpstreamError(f"malformed header line: {_bad_field_line(block)[:80]!r}")
+        status = int(match[2])
+        if status < 200:
+            if status == 101:
+                # The proxy never asks to switch protocols; what follows would not be HTTP.
+                raise UpstreamError("101 Switching Protocols to a request without Upgrade")
             return False
         headers: list[tuple[str, str]] = []
         content_length: int | None = None
-        chunked = False
-        keep_alive = parts[0] == "HTTP/1.1"
+        codings: list[str] | None = None
+        http10 = match[1] == "0"
+        keep_alive = not http10
         for line in block.split("\r\n") if block else ():
-            name, sep, value = line.partition(":")
-            if not sep:
-                raise UpstreamError(f"malformed header line: {line[:80]!r}")
-            value = value.strip()
+            name, _, value = line.partition(":")
+            value = value.strip(" \t")
             headers.append((name, value))
             lower = name.lower()
             if lower == "content-length":
-                if not _ascii_digits(value):
-                    raise UpstreamError(f"bad Content-Length: {value!r}")
-                content_length = int(value)
+                length = _content_length(value)
+                if content_length is not None and length != content_length:
+                    raise UpstreamError(f"conflicting Content-Length: {content_length}, {length}")
+                content_length = length
             elif lower == "transfer-encoding":
-                chunked = value.lower().endswith("chunked")
+                if codings is None:
+                    codings = []
+                codings += [c for part in value.lower().split(",") if (c := part.strip(" \t"))]
             elif lower == "connection":
                 tokens = value.lower()
                 if "close" in tokens:
                     keep_alive = False
                 elif "keep-alive" in tokens:
                     keep_alive = True
+        chunked = False
+        if codings is not None:
+            # RFC 9112 §6.1/§6.3: Transfer-Encoding overrides Content-Length. Both at once (or
+            # Transfer-Encoding from an HTTP/1.0 peer) is how responses get smuggled, so the
+            # answer is read by its Transfer-Encoding and the connection closed after it.
+            if content_length is not None or http10:
+                keep_alive = False
+            content_length = None
+            if codings.count("chunked") > 1:
+                raise UpstreamError("chunked applied more than once")
+            chunked = bool(codings) and codings[-1] == "chunked"
         self._keep_alive = keep_alive
-        if chunked:
-            self._body_mode, content_length = "chunked", None
-            self._chunked = ChunkedDecoder()
-        elif status in _NO_BODY_STATUSES or content_length == 0:
+        if status in _NO_BODY_STATUSES:
+            # RFC 9112 §6.3: no body whatever the framing headers say.
             self._body_mode, self._remaining = "length", 0
+        elif chunked:
+            self._body_mode = "chunked"
+            self._chunked = ChunkedDecoder()
+        elif codings is not None:
+            # A final coding other than chunked has no end of its own: read until close.
+            self._body_mode, self._keep_alive = "close", False
         elif content_length is not None:
             self._body_mode, self._remaining = "length", content_length
         else:
             self._body_mode, self._keep_alive = "close", False
-        reason = parts[2] if len(parts) > 2 else ""
+        reason = match[3] or ""
         self._response = UpstreamResponse(self, status, reason, headers, content_length)
         if self._body_mode == "length" and self._remaining == 0:
             self._complete = True
@@ -345,6 +442,7 @@ class _HostPool:
         self.max_idle = max_idle
         self.idle_timeout_s = idle_timeout_s
         self.idle: deque[_Connection] = deque()
+        self.closed = False
 
     def take_idle(self) -> _Connection | None:
         now = time.monotonic()
@@ -368,13 +466,16 @@ class _HostPool:
         return conn
 
     def release(self, conn: _Connection) -> None:
-        if len(self.idle) >= self.max_idle:
+        # A closed pool is no longer in UpstreamPool: a connection kept here would never be
+        # used again, only left open to a replica that has left.
+        if self.closed or len(self.idle) >= self.max_idle:
             conn.abort()
             return
         conn.idle_since = time.monotonic()
         self.idle.append(conn)
 
     def close(self) -> None:
+        self.closed = True
         while self.idle:
             self.idle.pop().abort()
 
@@ -453,6 +554,14 @@ class UpstreamPool:
             raise
         finally:
             timer.cancel()
+
+    def forget(self, base_url: str) -> None:
+        """A replica left the fleet: close its idle connections and drop its pool, so pools do
+        not pile up as replicas come and go. A connection still carrying a request closes when
+        that request ends; a later request to the same URL starts a fresh pool."""
+        entry = self._pools.pop(base_url, None)
+        if entry is not None:
+            entry[0].close()
 
     def close(self) -> None:
         for pool, _, _ in self._pools.values():
