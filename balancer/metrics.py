@@ -75,6 +75,7 @@ class Metrics(Collector):
         self.failovers: defaultdict[str, int] = defaultdict(int)
         self.attempts: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.disconnects: defaultdict[str, int] = defaultdict(int)
+        self.client_stalls: defaultdict[str, int] = defaultdict(int)
         self.prompt_tokens: defaultdict[str, int] = defaultdict(int)
         self.predicted_tokens: defaultdict[str, int] = defaultdict(int)
         self.actual_tokens: defaultdict[str, int] = defaultdict(int)
@@ -104,6 +105,18 @@ class Metrics(Collector):
 
     def count_disconnect(self, route: str) -> None:
         self.disconnects[route] += 1
+
+    def count_client_stall(self, route: str) -> None:
+        self.client_stalls[route] += 1
+
+    def forget_replica(self, replica: str) -> None:
+        """A replica left the fleet: its series go too, so they do not pile up as replicas
+        come and go (a Prometheus series that disappears is read as ended)."""
+        for table, at in ((self.requests, 2), (self.ttfts, 1), (self.attempts, 0)):
+            for key in [k for k in table if k[at] == replica]:
+                del table[key]
+        for table in (self.prompt_tokens, self.predicted_tokens, self.actual_tokens, self.corrections):
+            table.pop(replica, None)
 
     def observe_lesson(
         self, replica: str, predicted: int, actual: int, corrected: bool, prompt_tokens: int = 0
@@ -179,6 +192,15 @@ class Metrics(Collector):
         for route, count in list(self.disconnects.items()):
             disconnects.add_metric([route], count)
         yield disconnects
+
+        stalls = CounterMetricFamily(
+            "kvlb_client_stalls",
+            "Answers cut because their client stopped reading for timeouts.client_write_s",
+            labels=["route"],
+        )
+        for route, count in list(self.client_stalls.items()):
+            stalls.add_metric([route], count)
+        yield stalls
 
         prompt = CounterMetricFamily(
             "kvlb_prefix_prompt_tokens",

@@ -4,6 +4,10 @@ Failover happens only before the client has seen a byte: a connect error, no res
 headers within `first_byte_s`, or a 502/503 answer moves the request to the next replica in
 the ranking, never the same one twice. Once the response has started, bytes are relayed as
 they arrive and nothing is retried.
+
+What counts against a replica (balancer/breaker.py) is what the replica did: no connection,
+no answer in time, an invalid or cut answer, 502/503/504, and 500s by success rate. A client
+that stops reading ends its own answer (`timeouts.client_write_s`) and nothing else.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import orjson
 from balancer.config import Settings
 from balancer.errors import ClientError
 from balancer.fleet import Replica
-from balancer.http_server import Headers, Request, ResponseStream
+from balancer.http_server import ClientStalled, Headers, Request, ResponseStream
 from balancer.metrics import Metrics
 from balancer.routing import CacheTracker, Routed
 from balancer.upstream import UpstreamError, UpstreamPool, UpstreamResponse
@@ -50,6 +54,9 @@ RESPONSE_DROP = frozenset(
 # Answers that move a request to the next replica: the replica is down, overloaded or
 # rate-limiting; nothing was generated, so nothing is lost by asking another.
 RETRY_STATUSES = frozenset({429, 502, 503})
+# Relayed answers that are the replica's fault whoever asked: a gateway timeout. Other 5xx
+# (500 above all) may be the request's doing and are judged by success rate.
+FAULT_STATUSES = frozenset({504})
 MAX_RETRY_AFTER_S = 3600.0
 # Bodies this small with a known length are answered in one write; anything else is relayed
 # chunk by chunk so memory stays flat and streams stay live.
@@ -183,7 +190,8 @@ class Proxy:
                         replica.url, request.method, request.target, headers, request.body, first_byte_s
                     )
                 except (TimeoutError, OSError) as exc:
-                    kind = "timeout" if isinstance(exc, TimeoutError) else "connect_error"
+                    kind = ("timeout" if isinstance(exc, TimeoutError)
+                            else "broken_response" if isinstance(exc, UpstreamError) else "connect_error")
                     failures.append(f"{replica.name}: {kind} ({exc.__class__.__name__})")
                     self._failed(replica, kind, loop.time())
                     continue
@@ -200,14 +208,19 @@ class Proxy:
                     else:
                         self._failed(replica, f"http_{resp.status}", loop.time())
                     continue
-                if resp.status >= 500:
-                    breaker.failed(loop.time())
-                else:
-                    breaker.succeeded()
-                self.metrics.count_attempt(replica.name, "ok")
                 outcome.status = resp.status
                 answered = outcome.answered = True
-                await self._relay(request, resp, replica, request_id, outcome, routed, extra_headers)
+                # Judged once the answer is through: a cut body is the replica's fault too.
+                fault = await self._relay(request, resp, replica, request_id, outcome, routed, extra_headers)
+                now = loop.time()
+                if fault is not None:
+                    self._failed(replica, fault, now)
+                elif resp.status in FAULT_STATUSES:
+                    self._failed(replica, f"http_{resp.status}", now)
+                else:
+                    self.metrics.count_attempt(replica.name, "ok")
+                    if breaker.answered(now, resp.status < 500, request.client):
+                        self._ejected(replica, f"success rate (HTTP {resp.status})")
                 return
             finally:
                 if resp is not None:
@@ -229,13 +242,16 @@ class Proxy:
     def _failed(self, replica: Replica, kind: str, now: float) -> None:
         self.metrics.count_attempt(replica.name, kind)
         if replica.breaker.failed(now):
-            log.warning("replica %s ejected after %s (ejection %d in a row)",
-                        replica.name, kind, replica.breaker.ejections)
-            if self.tracker is not None:
-                # Still out after a while: it has likely restarted and lost its cache.
-                asyncio.get_running_loop().call_later(
-                    self.settings.routing.forget_unhealthy_after_s, self._forget_if_ejected, replica
-                )
+            self._ejected(replica, kind)
+
+    def _ejected(self, replica: Replica, why: str) -> None:
+        log.warning("replica %s ejected after %s (ejection %d in a row)",
+                    replica.name, why, replica.breaker.ejections)
+        if self.tracker is not None:
+            # Still out after a while: it has likely restarted and lost its cache.
+            asyncio.get_running_loop().call_later(
+                self.settings.routing.forget_unhealthy_after_s, self._forget_if_ejected, replica
+            )
 
     def _forget_if_ejected(self, replica: Replica) -> None:
         if self.tracker is not None and replica.breaker.state(asyncio.get_running_loop().time()) != "closed":
@@ -274,7 +290,8 @@ class Proxy:
         outcome: Outcome,
         routed: Routed | None,
         extra_headers: Headers | None,
-    ) -> None:
+    ) -> str | None:
+        """Relay the answer; returns the replica's fault that broke it, if one did."""
         idle_s = self.settings.timeouts.stream_idle_s
         headers = self._response_headers(resp, replica, request_id, extra_headers)
         tracker = self.tracker if routed is not None else None
@@ -284,8 +301,11 @@ class Proxy:
             if resp.complete:
                 data = await resp.read(BUFFER_LIMIT_BYTES)  # nothing to wait for, so no timer
             else:
-                async with asyncio.timeout(idle_s):
-                    data = await resp.read(BUFFER_LIMIT_BYTES)
+                try:
+                    async with asyncio.timeout(idle_s):
+                        data = await resp.read(BUFFER_LIMIT_BYTES)
+                except (UpstreamError, TimeoutError) as exc:
+                    raise self._broken_body(replica, exc, idle_s) from None
             request.respond(resp.status, headers, data)
             outcome.first_byte_at = asyncio.get_running_loop().time()
             read_usage = self.read_usage and has_usage(data)
@@ -295,7 +315,7 @@ class Proxy:
             if tracker is not None:
                 tracker.first_byte(routed)
                 self._learn(routed, replica, usage_of(payload))
-            return
+            return None
 
         stream = await request.start_stream(resp.status, headers, length)
         outcome.stream, outcome.sse = stream, is_sse
@@ -307,10 +327,14 @@ class Proxy:
         usage_next: bytes | None = None
         try:
             # One timer for the whole stream, pushed back on every chunk: a stream may last
-            # minutes, but no gap between chunks may exceed stream_idle_s.
+            # minutes, but no gap between the replica's chunks may exceed stream_idle_s. While
+            # the client is slow to read, the replica waits on us: that time is the client's,
+            # bounded by client_write_s inside drain(), not the replica's.
             async with asyncio.timeout(idle_s) as idle:
                 async for chunk in resp.iter_chunks():
-                    await stream.write(chunk)
+                    if stream.send(chunk):
+                        idle.reschedule(None)
+                        await stream.drain()
                     now = loop.time()
                     idle.reschedule(now + idle_s)
                     if outcome.first_byte_at is None:
@@ -324,14 +348,32 @@ class Proxy:
                         tracker.first_byte(routed)
                         if not routed.learned:
                             self._learn(routed, replica, usage_from_sse(chunk))
+        except ClientStalled:
+            log.info("request %s: the client stopped reading; its stream is cut", request_id)
+            self.metrics.count_client_stall(request.path)
+            outcome.error = "client_stalled"
+            request.abort()
+            return None
         except (UpstreamError, TimeoutError) as exc:
             log.warning("request %s: stream from %s broke: %r", request_id, replica.name, exc)
-            self._failed(replica, "broken_stream", asyncio.get_running_loop().time())
             await end_broken_response(
                 request, outcome, f"the stream from replica {replica.name} broke: {exc.__class__.__name__}"
             )
-            return
+            return "broken_stream"
         finally:
             if usage_chunk is not None:
                 outcome.tokens = counts_from_sse(usage_chunk + usage_next if usage_next else usage_chunk)
         await stream.end()
+        return None
+
+    def _broken_body(self, replica: Replica, exc: Exception, idle_s: float) -> ClientError:
+        """A whole answer the replica cut or stalled before the client saw any of it."""
+        now = asyncio.get_running_loop().time()
+        if isinstance(exc, TimeoutError):
+            self._failed(replica, "timeout", now)
+            return ClientError(
+                504, f"replica {replica.name} stopped sending its answer for timeouts.stream_idle_s "
+                     f"({idle_s} s)", "timeout", type_="upstream_error")
+        self._failed(replica, "broken_body", now)
+        return ClientError(502, f"replica {replica.name} cut its answer short: {exc}",
+                           "upstream_failed", type_="upstream_error")

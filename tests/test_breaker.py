@@ -49,6 +49,41 @@ def test_retry_after_holds_the_replica_off_without_counting_a_failure() -> None:
     assert b.state(129) == OPEN and b.allows(130) and b.failures == 0
 
 
+def test_ejections_in_a_row_never_overflow_the_back_off() -> None:
+    b = Breaker(BreakerSettings(consecutive_failures=1, base_ejection_s=1, max_ejection_s=60))
+    now = 0.0
+    for _ in range(2000):
+        assert b.failed(now)
+        now = b.open_until
+        b.started(now)
+    assert b.open_until - now <= 60 and b.ejections == 2000
+
+
+def test_500s_from_one_client_never_eject_however_many() -> None:
+    b = Breaker(BreakerSettings(min_requests=5, min_clients=3, success_threshold=0.5))
+    for i in range(500):
+        assert not b.answered(i * 0.01, False, "key-0")
+    assert b.state(5) == CLOSED
+
+
+def test_500s_from_several_clients_eject_by_success_rate() -> None:
+    b = Breaker(BreakerSettings(min_requests=6, min_clients=3, success_threshold=0.5, window_s=10))
+    for i, client in enumerate(["a", "a", "b", "b"]):
+        assert not b.answered(i, False, client)
+    b.answered(4, True, "d")
+    assert b.answered(5, False, "c")  # 1 of 6 succeeded, failures from 3 clients
+    assert b.state(5) == OPEN
+
+
+def test_the_success_rate_forgets_answers_older_than_its_window() -> None:
+    b = Breaker(BreakerSettings(min_requests=4, min_clients=2, success_threshold=0.5, window_s=10))
+    b.answered(0, False, "a")
+    b.answered(1, False, "b")
+    b.answered(2, False, "c")
+    assert not b.answered(20, False, "d")  # the others are out of the window: one answer
+    assert b.state(20) == CLOSED
+
+
 async def test_failing_replica_is_ejected_then_probed_back() -> None:
     state = {"fail": True}
     seen = Seen()
@@ -68,21 +103,23 @@ async def test_failing_replica_is_ejected_then_probed_back() -> None:
         settings = make_settings(
             [{"url": bad, "name": "bad", "model": "stub-model"}, {"url": good, "name": "good"}],
             policy={"name": "round_robin"},
-            health={"eject_after_failures": 2, "ejection_base_s": 0.3},
+            health={"ejection_base_s": 0.3, "success_rate_min_requests": 3,
+                    "success_rate_min_clients": 3},
+            auth={"api_keys": ["k1", "k2", "k3"]},
         )
         running = await stack.enter_async_context(run_balancer(settings))
         async with aiohttp.ClientSession() as http:
 
-            async def send() -> tuple[int, str]:
-                async with http.post(running.url + "/v1/completions",
+            async def send(key: str = "k1") -> tuple[int, str]:
+                async with http.post(running.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
                                      json={"model": "stub-model", "prompt": "x"}) as resp:
                     return resp.status, resp.headers["x-kvlb-replica"]
 
-            results = [await send() for _ in range(10)]
-            # A 500 passes through (not retried), but two in a row eject the replica.
-            assert results.count((500, "bad")) == 2
-            assert results[-1] == (200, "good")
-            assert seen.requests == 2
+            results = [await send(key) for key in ["k1", "k1", "k2", "k2", "k3", "k3", "k1", "k1"]]
+            # A 500 passes through (not retried); once three clients saw them, the replica is out.
+            assert results[:6] == [(500, "bad"), (200, "good")] * 3
+            assert results[-2:] == [(200, "good")] * 2
+            assert seen.requests == 3
             assert running.balancer.fleet.by_name["bad"].breaker.state(0) != CLOSED
             await asyncio.sleep(0.35)
             state["fail"] = False
