@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import os
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
 
 import orjson
 
@@ -56,7 +57,9 @@ class AdminApi:
             raise ClientError(401, "the admin API needs its own token: Authorization: Bearer TOKEN", "invalid_admin_token")
 
     def _route(self, request: Request) -> tuple[int, Any]:
-        parts = request.path[len(PREFIX):].strip("/").split("/")
+        # Names may hold '/' (DNS members are HOST/ADDRESS:PORT): a path names them
+        # percent-encoded, so each segment is decoded after splitting.
+        parts = [unquote(part) for part in request.path[len(PREFIX):].strip("/").split("/")]
         method = request.method
         if parts == ["reload"] and method == "POST":
             return 200, self._reload()

@@ -54,8 +54,9 @@ class TokenBucket:
 
     def take(self, now: float) -> float:
         """0 when a request may go now, else the seconds until one may."""
-        self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
-        self.updated = now
+        # A clock that steps back (or a caller on another clock) must not drain the bucket.
+        self.tokens = min(self.burst, self.tokens + max(now - self.updated, 0.0) * self.rate)
+        self.updated = max(now, self.updated)
         if self.tokens >= 1:
             self.tokens -= 1
             return 0.0
@@ -74,10 +75,12 @@ class Authenticator:
     def enabled(self) -> bool:
         return bool(self.keys)
 
-    def check(self, authorization: str | None, now: float = 0.0) -> None:
-        """Raise 401 for a missing or wrong key, 429 for a key over its rate."""
+    def check(self, authorization: str | None, now: float) -> str | None:
+        """The client's identity (which key, never the key itself), or None when kvlb is
+        open; raise 401 for a missing or wrong key, 429 for a key over its rate. `now` is
+        the event loop's clock, the one every bucket is kept on."""
         if not self.keys:
-            return
+            return None
         if not authorization or not authorization.lower().startswith(BEARER):
             raise ClientError(
                 401, "You didn't provide an API key: send Authorization: Bearer YOUR_KEY", "missing_api_key"
@@ -99,3 +102,4 @@ class Authenticator:
                     429, "Rate limit reached for this API key; retry after the time in Retry-After",
                     "rate_limit_exceeded", type_="rate_limit_error", retry_after=max(1, math.ceil(wait)),
                 )
+        return f"key-{matched}"

@@ -75,6 +75,16 @@ _positive = _rule(lambda v: v > 0, "must be > 0, got {!r}")
 _port = _rule(lambda v: 1 <= v <= 65535, "must be between 1 and 65535, got {!r}")
 _non_empty = _rule(lambda v: v.strip() != "", "must not be empty, got {!r}")
 _url_path = _rule(lambda v: v.startswith("/"), "must start with '/', got {!r}")
+# A replica's name goes out in the x-kvlb-replica header, metric labels, log fields and admin
+# paths: visible ASCII only, so it can never break an answer or forge a field.
+_replica_name = _rule(
+    re.compile(r"[\x21-\x7e]{1,200}").fullmatch,
+    "must be 1 to 200 visible ASCII characters (no spaces), got {!r}",
+)
+# Member names are HOST/ADDRESS:PORT, so the host must be as safe as a name.
+_host_name = _rule(
+    re.compile(r"[A-Za-z0-9._:\[\]-]{1,200}").fullmatch, "not a host name: {!r}",
+)
 
 
 # HTTP header names are case-insensitive; storing one spelling keeps lookups simple.
@@ -91,6 +101,8 @@ def _http_url(value: str) -> str:
         parts = None
     if (
         parts is None
+        or not value.isascii()
+        or any(c.isspace() for c in value)
         or port == 0
         or parts.scheme not in ("http", "https")
         or not parts.hostname
@@ -124,7 +136,7 @@ class Listen:
 @dataclass(frozen=True, slots=True)
 class ReplicaSettings:
     url: str = _checked(check=_http_url)
-    name: str | None = _checked(None, _non_empty)  # filled from the url when not given
+    name: str | None = _checked(None, _replica_name)  # filled from the url when not given
     model: str | None = _checked(None, _non_empty)  # None: discovered from /v1/models
     labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     weight: float = _checked(1.0, _positive)
@@ -152,6 +164,9 @@ class Timeouts:
     first_byte_s: float = _checked(60.0, _positive)
     total_s: float = _checked(600.0, _positive)
     stream_idle_s: float = _checked(120.0, _positive)
+    # How long a write to a client may wait for the client to read. A client that stops
+    # reading ends its own answer; it is never counted against the replica.
+    client_write_s: float = _checked(30.0, _positive)
     drain_s: float = _checked(30.0, _positive)  # on SIGTERM: how long requests in flight may finish
 
 
@@ -167,6 +182,11 @@ class Limits:
     max_queued: int = _checked(1024, _at_least(0))  # requests waiting for capacity; beyond: 429
     queue_timeout_s: float = _checked(10.0, _positive)  # longest wait for capacity; then 429
     max_header_bytes: int = _checked(16384, _at_least(1024))
+    # Open client connections; beyond: 503 with Retry-After, and the connection is closed.
+    max_connections: int = _checked(4096, _at_least(1))
+    # Request bodies buffered at once, all connections together (a body counts from its
+    # head until its answer ends); beyond: 503 with Retry-After, before the body is read.
+    max_buffered_bytes: int = _checked(512 * 1024 * 1024, _at_least(1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +200,12 @@ class HealthSettings:
     eject_after_failures: int = _checked(5, _at_least(1))
     ejection_base_s: float = _checked(5.0, _positive)
     ejection_max_s: float = _checked(300.0, _positive)
+    # 500s say as much about the request as about the replica, so they eject only by success
+    # rate over a window, with answers from several clients (see balancer/breaker.py).
+    success_rate_window_s: float = _checked(30.0, _positive)
+    success_rate_min_requests: int = _checked(20, _at_least(1))
+    success_rate_min_clients: int = _checked(3, _at_least(1))
+    success_rate_threshold: float = _checked(0.5, _rule(lambda v: 0 < v <= 1, "must be in (0, 1], got {!r}"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,7 +308,7 @@ class ReplicaSetSettings:
     """Replicas found by resolving a host name (a Kubernetes headless service, say): each
     address it resolves to is a replica, joining and leaving as the answers change."""
 
-    host: str = _checked(check=_non_empty)
+    host: str = _checked(check=_host_name)
     port: int = _checked(check=_port)
     scheme: str = _checked("http", _one_of("http", "https"))
     model: str | None = _checked(None, _non_empty)

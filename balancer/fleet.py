@@ -86,6 +86,10 @@ class Replica:
 
 
 FULL = "overloaded"  # the code of the refusal when every replica is at its max_concurrency
+# The metric label of a model no replica lists or declares: the client's free text must not
+# become a label, or one client could mint a series per request.
+OTHER_MODEL = "other"
+KNOWN_MODELS_REFRESH_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +105,8 @@ class Fleet:
         # Requests waiting for a replica under its max_concurrency (see wait_for_room).
         self._room_waiters: list[asyncio.Future[None]] = []
         self.by_name: dict[str, Replica] = {r.name: r for r in self.replicas}
+        self._known_models: frozenset[str] = frozenset()
+        self._known_models_at = float("-inf")
 
     def candidates(
         self, model: str | None, allowed_regions: frozenset[str] | None = None, now: float = 0.0
@@ -190,6 +196,27 @@ class Fleet:
         finally:
             if not waiter.done():
                 waiter.cancel()
+                # Gone now, not when some request finishes: waiters that time out while
+                # nothing finishes must not pile up.
+                try:
+                    self._room_waiters.remove(waiter)
+                except ValueError:
+                    pass
+
+    def model_label(self, model: str, now: float) -> str:
+        """`model` as a metric label: itself when a replica lists or declares it, else
+        OTHER_MODEL. What replicas list is re-read at most once a second, on a miss."""
+        if not model or model in self._known_models:
+            return model
+        if now - self._known_models_at >= KNOWN_MODELS_REFRESH_S:
+            self._known_models_at = now
+            known = {r.declared_model for r in self.replicas if r.declared_model}
+            for replica in self.replicas:
+                known.update(replica.discovered_models or ())
+            self._known_models = frozenset(known)
+            if model in self._known_models:
+                return model
+        return OTHER_MODEL
 
     def counts(self) -> FleetCounts:
         return FleetCounts(len(self.replicas), sum(1 for r in self.replicas if r.healthy))

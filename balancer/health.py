@@ -41,6 +41,10 @@ class HealthChecker:
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
 
+    def forget(self, name: str) -> None:
+        """A replica left the fleet: its streak goes with it."""
+        self._streak.pop(name, None)
+
     def record(self, replica: Replica, ok: bool) -> None:
         streak = self._streak.get(replica.name, 0)
         streak = max(streak, 0) + 1 if ok else min(streak, 0) - 1

@@ -10,6 +10,14 @@ with it the request to the replica.
 Framing follows RFC 9112: Content-Length or chunked request bodies (both at once is refused,
 as it is the classic request-smuggling vector), `Expect: 100-continue`, keep-alive by default
 on HTTP/1.1, pipelined requests answered in order.
+
+What one client can hold is bounded: open connections (`max_connections`), request bodies
+buffered by all connections together (`max_buffered_bytes`, counted from a request's head to
+the end of its answer), and the time a write may wait for a client that does not read
+(`write_timeout_s`). A request can be refused on its head alone (`admit`: keys, rate limits),
+before any of its body is read or `100 Continue` is sent. Nothing a connection buffered
+outlives it: a connection that closes drops its request and body at once, not at the next
+cyclic garbage collection.
 """
 
 from __future__ import annotations
@@ -44,18 +52,23 @@ _HEADER_BLOCK = re.compile(rb"(?:" + _TOKEN + rb":[\t\x20-\x7e\x80-\xff]*\r\n)*"
 class HttpError(Exception):
     """A request that cannot be read; answered with `status` and the connection closed."""
 
-    def __init__(self, status: int, message: str, code: str) -> None:
+    def __init__(self, status: int, message: str, code: str, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
+        self.retry_after = retry_after
+
+
+class ClientStalled(ConnectionError):
+    """The client has not read what was written to it within `write_timeout_s`."""
 
 
 class Request:
     """One parsed request; `headers` keeps names as sent, `header()` looks up case-blind."""
 
     __slots__ = ("method", "target", "path", "version", "headers", "end_to_end_headers", "_lookup",
-                 "body", "remote", "_conn")
+                 "body", "remote", "client", "_conn")
 
     def __init__(self, method: str, target: str, version: str, headers: Headers,
                  lookup: dict[str, str], conn: _Connection) -> None:
@@ -69,6 +82,9 @@ class Request:
         self._lookup = lookup
         self.body = b""
         self.remote = conn.peer
+        # Who sent it, as the `admit` hook established (an API key's identity, else the peer
+        # address): one client's behaviour is judged apart from another's.
+        self.client = conn.peer
         self._conn = conn
 
     def header(self, name: str) -> str | None:
@@ -107,18 +123,26 @@ class ResponseStream:
         self._chunked = chunked
         self._ended = False
 
-    async def write(self, data: bytes) -> None:
-        if not data:
-            return
+    def send(self, data: bytes) -> bool:
+        """Queue `data` for the client without waiting; True when the client is not keeping
+        up and the caller should `drain()` before sending more."""
         conn = self._conn
         if conn.closed:
             raise ConnectionResetError("client went away")
-        if self._chunked:
-            conn.transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
-        else:
-            conn.transport.write(data)
-        if conn.write_paused:
-            await conn.drain()
+        if data:
+            if self._chunked:
+                conn.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            else:
+                conn.transport.write(data)
+        return conn.write_paused
+
+    async def drain(self) -> None:
+        """Wait until the client has read enough; ClientStalled after `write_timeout_s`."""
+        await self._conn.drain()
+
+    async def write(self, data: bytes) -> None:
+        if self.send(data):
+            await self._conn.drain()
 
     async def end(self) -> None:
         if self._ended:
@@ -133,29 +157,47 @@ Handler = Callable[[Request], Awaitable[None]]
 ErrorBody = Callable[[int, str, str, "Request | None"], tuple[Headers, bytes]]
 
 
+# A refusal decided on a request's head: (status, headers, body).
+Answer = tuple[int, Headers, bytes]
+Admit = Callable[[Request], "Answer | None"]
+
+
 class ServerLimits:
     __slots__ = ("max_header_bytes", "max_body_bytes", "header_timeout_s", "body_timeout_s",
-                 "keepalive_timeout_s", "max_headers")
+                 "keepalive_timeout_s", "max_headers", "max_connections", "max_buffered_bytes",
+                 "write_timeout_s")
 
     def __init__(self, *, max_header_bytes: int = 16384, max_body_bytes: int = 32 << 20,
                  header_timeout_s: float = 30.0, body_timeout_s: float = 60.0,
-                 keepalive_timeout_s: float = 75.0, max_headers: int = 128) -> None:
+                 keepalive_timeout_s: float = 75.0, max_headers: int = 128,
+                 max_connections: int = 4096, max_buffered_bytes: int = 512 << 20,
+                 write_timeout_s: float = 30.0) -> None:
         self.max_header_bytes = max_header_bytes
         self.max_body_bytes = max_body_bytes
         self.header_timeout_s = header_timeout_s
         self.body_timeout_s = body_timeout_s
         self.keepalive_timeout_s = keepalive_timeout_s
         self.max_headers = max_headers
+        self.max_connections = max_connections
+        self.max_buffered_bytes = max_buffered_bytes
+        self.write_timeout_s = write_timeout_s
 
 
 class HttpServer:
     """Shared by every connection: the handler, the limits and the open connections."""
 
-    def __init__(self, handler: Handler, error_body: ErrorBody, limits: ServerLimits) -> None:
+    def __init__(self, handler: Handler, error_body: ErrorBody, limits: ServerLimits,
+                 admit: Admit | None = None) -> None:
         self.handler = handler
         self.error_body = error_body
         self.limits = limits
+        # Called with each request's head before its body is read; an answer refuses it.
+        self.admit = admit
         self.connections: set[_Connection] = set()
+        # Body bytes reserved by every connection together (see limits.max_buffered_bytes).
+        self.buffered_bytes = 0
+        self.refused_connections = 0
+        self.refused_budget = 0
         self._server: asyncio.Server | None = None
         # Shutting down: answers in progress finish, then their connections close.
         self.closing = False
@@ -219,7 +261,8 @@ class _Connection(asyncio.Protocol):
         self.response_started = False
         self._reading_paused = False
         self._timer: asyncio.TimerHandle | None = None
-        self._timer_kind = ""  # "idle", "head" or "body": what the timer guards
+        self._timer_kind = ""  # "idle", "head", "body" or "write": what the timer guards
+        self._reserved = 0  # this connection's share of server.buffered_bytes
 
     # connection lifecycle ----------------------------------------------------------------------
 
@@ -227,26 +270,67 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
         self.peer = peer[0] if isinstance(peer, tuple) else ""
-        self.server.connections.add(self)
+        server = self.server
+        if len(server.connections) >= self.limits.max_connections:
+            server.refused_connections += 1
+            self._refuse(HttpError(503, f"kvlb has limits.max_connections "
+                                        f"({self.limits.max_connections}) open; retry shortly",
+                                   "too_many_connections", retry_after=1))
+            return
+        server.connections.add(self)
         self._arm(self.limits.keepalive_timeout_s, self._idle_expired, "idle")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
         self._disarm()
+        self._drop_input()
         if self.handler_task is not None and not self.handler_task.done():
             self.handler_task.cancel()
         if self._drain_waiter is not None and not self._drain_waiter.done():
             self._drain_waiter.set_exception(ConnectionResetError("client went away"))
 
+    def _drop_input(self) -> None:
+        """Let go of everything read and not yet handed over. The request being read points
+        back at this connection, so without this the pair (and its body) would wait for the
+        cyclic collector, however long that takes."""
+        self._request = None
+        self._body_parts = []
+        self._buffer = bytearray()
+        self._decoder = ChunkedDecoder()
+        if self.handler_task is None:
+            self._release_body()
+
+    def _reserve_body(self, size: int) -> None:
+        server = self.server
+        if server.buffered_bytes + size > self.limits.max_buffered_bytes:
+            server.refused_budget += 1
+            raise HttpError(503, "kvlb is buffering limits.max_buffered_bytes of request bodies; "
+                                 "retry shortly", "buffer_budget_exceeded", retry_after=1)
+        server.buffered_bytes += size
+        self._reserved += size
+
+    def _release_body(self) -> None:
+        self.server.buffered_bytes -= self._reserved
+        self._reserved = 0
+
     def eof_received(self) -> bool:
-        return False  # a half-closed client is gone: close, which cancels its request
+        # TCP cannot tell a half-close from a client that went away until a write fails, and
+        # an abandoned generation must stop at once to free its replica: close, which cancels
+        # the request (as nginx answers 499).
+        return False
 
     def pause_writing(self) -> None:
         self.write_paused = True
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        if self._timer_kind == "write":
+            self._disarm()
+            if self._keep_alive:
+                self._arm(self.limits.keepalive_timeout_s, self._idle_expired, "idle")
+            else:
+                self.transport.close()
         if self._drain_waiter is not None and not self._drain_waiter.done():
             self._drain_waiter.set_result(None)
 
@@ -254,8 +338,12 @@ class _Connection(asyncio.Protocol):
         if self.closed:
             raise ConnectionResetError("client went away")
         if self.write_paused:
-            self._drain_waiter = self.loop.create_future()
-            await self._drain_waiter
+            waiter = self._drain_waiter = self.loop.create_future()
+            timer = self.loop.call_later(self.limits.write_timeout_s, _stalled, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
 
     def abort(self) -> None:
         self.closed = True
@@ -282,7 +370,15 @@ class _Connection(asyncio.Protocol):
     def _idle_expired(self) -> None:
         self._timer, self._timer_kind = None, ""
         if self.handler_task is None and not self._buffer:
-            self.transport.close()
+            if self.write_paused:
+                self.abort()  # close() would wait for a client that does not read
+            else:
+                self.transport.close()
+
+    def _write_expired(self) -> None:
+        self._timer, self._timer_kind = None, ""
+        if self.write_paused and self.handler_task is None:
+            self.abort()  # an answer the client would not take: let go of it
 
     def _read_expired(self) -> None:
         self._timer, self._timer_kind = None, ""
@@ -292,10 +388,13 @@ class _Connection(asyncio.Protocol):
     # reading -----------------------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
         self._buffer += data
         if self.handler_task is not None:
-            # Pipelined: the next request waits for this one's answer, within bounds.
-            if len(self._buffer) > self.limits.max_header_bytes + self.limits.max_body_bytes:
+            # Pipelined: the next request waits for this one's answer, in the kernel's buffers
+            # rather than ours.
+            if len(self._buffer) > self.limits.max_header_bytes:
                 self.transport.pause_reading()
                 self._reading_paused = True
             return
@@ -312,6 +411,8 @@ class _Connection(asyncio.Protocol):
             if self._request is None:
                 if not self._read_head():
                     return
+                if self._request is None:
+                    continue  # refused on its head alone
             if not self._read_body():
                 return
             request, self._request = self._request, None
@@ -370,8 +471,34 @@ class _Connection(asyncio.Protocol):
         request = Request(method, target, version, headers, lookup, self)
         request.end_to_end_headers = end_to_end
         self._frame_body(request, lookup, version)
+        expects_body = self._chunked or self._body_left > 0
+        admit = self.server.admit
+        refusal = admit(request) if admit is not None else None
+        if refusal is not None:
+            self._answer_refusal(request, refusal, expects_body)
+            return not self.closed
+        if self._body_left:
+            self._reserve_body(self._body_left)
+        if expects_body and lookup.get("expect", "").lower() == "100-continue":
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         self._request = request
         return True
+
+    def _answer_refusal(self, request: Request, answer: Answer, expects_body: bool) -> None:
+        """Refused on its head: the body, if any, is never read, so the connection closes
+        after the answer; a request without one leaves the connection usable."""
+        status, headers, body = answer
+        if expects_body:
+            self._keep_alive = False
+        self.response_started = False
+        self.write_response(request, status, headers, body)
+        if expects_body:
+            self.transport.close()
+            self.closed = True
+            self._drop_input()
+        else:
+            self._arm(self.limits.keepalive_timeout_s, self._idle_expired, "idle")
+
     def _frame_body(self, request: Request, lookup: dict[str, str], version: str) -> None:
         connection = lookup.get("connection", "").lower()
         if version == "HTTP/1.0":
@@ -400,15 +527,14 @@ class _Connection(asyncio.Protocol):
             if self._body_left > self.limits.max_body_bytes:
                 raise HttpError(413, f"{self._body_left} bytes exceeds limits.max_body_bytes "
                                      f"({self.limits.max_body_bytes} bytes)", "request_too_large")
-        if (self._chunked or self._body_left) and \
-                lookup.get("expect", "").lower() == "100-continue":
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def _take_body(self, data: bytes | bytearray) -> None:
         self._body_size += len(data)
         if self._body_size > self.limits.max_body_bytes:
             raise HttpError(413, f"the request body exceeds limits.max_body_bytes "
                                  f"({self.limits.max_body_bytes} bytes)", "request_too_large")
+        if self._chunked:
+            self._reserve_body(len(data))  # unknown in advance: counted as it arrives
         self._body_parts.append(bytes(data))
 
     def _read_body(self) -> bool:
@@ -448,9 +574,12 @@ class _Connection(asyncio.Protocol):
         self._keep_alive = False
         self.response_started = False
         headers, body = self.server.error_body(exc.status, exc.message, exc.code, self._request)
+        if exc.retry_after is not None:
+            headers = [*headers, ("Retry-After", str(exc.retry_after))]
         self._write_head(exc.status, headers, len(body), close=True, body=body)
         self.transport.close()
         self.closed = True
+        self._drop_input()
 
     # running and answering ----------------------------------------------------------------------
 
@@ -472,6 +601,7 @@ class _Connection(asyncio.Protocol):
             if not self.response_started and not self.closed:
                 self.abort()  # a handler that never answered must not leave the client hanging
             self.handler_task = None
+            self._release_body()
             if not self.closed:
                 if self._keep_alive:
                     if self._reading_paused:
@@ -483,14 +613,20 @@ class _Connection(asyncio.Protocol):
                         except HttpError as exc:
                             self._refuse(exc)
                     if self.handler_task is None and self._timer is None:
-                        self._arm(self.limits.keepalive_timeout_s, self._idle_expired, "idle")
+                        if self.write_paused:
+                            self._arm(self.limits.write_timeout_s, self._write_expired, "write")
+                        else:
+                            self._arm(self.limits.keepalive_timeout_s, self._idle_expired, "idle")
+                elif self.write_paused:
+                    # The answer is still queued for a client that is slow to read: it gets
+                    # write_timeout_s to take it, as a stream's client would.
+                    self._arm(self.limits.write_timeout_s, self._write_expired, "write")
                 else:
                     self.transport.close()
 
     def _write_head(self, status: int, headers: Iterable[tuple[str, str]], length: int | None,
                     *, close: bool = False, chunked: bool = False, body: bytes = b"") -> None:
         """Write the status line and headers, and `body` with them: one write, one syscall."""
-        self.response_started = True
         reason = _REASONS.get(status, "Unknown")
         parts = [f"HTTP/1.1 {status} {reason}\r\n"]
         has_date = False
@@ -506,6 +642,8 @@ class _Connection(asyncio.Protocol):
             self._keep_alive = False
             parts.append("Connection: close\r\n")
         head = "".join(parts).encode("latin-1")
+        # Only once the head could be encoded: until then an error can still be answered.
+        self.response_started = True
         if not has_date:
             head += b"Date: " + self.server.date_header(time.time()) + b"\r\n"
         if len(body) < 65536:
@@ -528,3 +666,8 @@ class _Connection(asyncio.Protocol):
             self._keep_alive = False  # HTTP/1.0: the end of the body is the end of the connection
         self._write_head(status, headers, content_length, chunked=chunked)
         return ResponseStream(self, chunked)
+
+
+def _stalled(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(ClientStalled("the client did not read its answer in time"))

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import time
 from collections.abc import Sequence
 
@@ -23,7 +24,7 @@ from balancer.dns import DnsDiscovery, Resolver, system_resolver
 from balancer.errors import JSON_HEADERS, ClientError
 from balancer.fleet import FULL, Fleet, Replica
 from balancer.health import HealthChecker
-from balancer.http_server import Headers, HttpServer, Request, ServerLimits
+from balancer.http_server import Answer, Headers, HttpServer, Request, ServerLimits
 from balancer.kv_events import KvEventsCollector, KvEventSubscriber
 from balancer.logs import LOG_FIELDS
 from balancer.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -44,13 +45,20 @@ access_log = logging.getLogger("kvlb.access")
 FORWARDED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/generate")
 OTHER_ROUTE = "other"
 ROUTE_HEADER = "x-kvlb-route"
+# A client's request id travels to replicas, answers and log lines as given, so it must be
+# text that cannot forge a log field or a header: anything else is replaced by kvlb's own.
+SAFE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
+
+
+def safe_request_id(value: str | None) -> str | None:
+    return value if value is not None and SAFE_REQUEST_ID.fullmatch(value) else None
 
 
 def make_error_answer(id_header: str):  # noqa: ANN201
     def error_answer(status: int, message: str, code: str, request: Request | None) -> tuple[Headers, bytes]:
         """Answers for requests refused while being read (bad framing, limits), OpenAI-shaped."""
         headers = list(JSON_HEADERS)
-        request_id = request.header(id_header) if request is not None else None
+        request_id = safe_request_id(request.header(id_header)) if request is not None else None
         headers.append((id_header, request_id or os.urandom(12).hex()))
         return headers, ClientError(status, message, code).body()
 
@@ -67,7 +75,11 @@ class Balancer:
         health = settings.health
         self.fleet = Fleet(
             settings.replicas,
-            BreakerSettings(health.eject_after_failures, health.ejection_base_s, health.ejection_max_s),
+            BreakerSettings(
+                health.eject_after_failures, health.ejection_base_s, health.ejection_max_s,
+                health.success_rate_window_s, health.success_rate_min_requests,
+                health.success_rate_min_clients, health.success_rate_threshold,
+            ),
         )
         self.policy = policy or make_policy(
             settings.policy.name, settings.policy.params, settings.policy.seed
@@ -128,6 +140,8 @@ class Balancer:
             "/metrics": self.metrics_page,
         }
         self._post_routes = frozenset(FORWARDED_ROUTES)
+        # The routes that need a client key: checked on the request's head (admit_head).
+        self._keyed_routes = frozenset((*FORWARDED_ROUTES, "/v1/models"))
         self._id_prefix = os.urandom(6).hex()
         self.draining = False
         self.access_log = settings.logging.access_log
@@ -209,10 +223,17 @@ class Balancer:
             asyncio.get_running_loop().create_task(self.discover(replica))
 
     def left(self, replica: Replica) -> None:
+        """A replica left the fleet: nothing kept per replica may outlive it."""
         if self.tracker is not None:
             self.tracker.forget(replica.name)
         if self.kv_events is not None:
             self.kv_events.unsubscribe(replica.name)
+        if all(r.url != replica.url for r in self.fleet.replicas):
+            self.pool.forget(replica.url)
+        if self._health is not None:
+            self._health.forget(replica.name)
+        if replica.name not in self.fleet.by_name:
+            self.metrics.forget_replica(replica.name)
 
     async def discover(self, replica: Replica) -> None:
         """Learn a replica's models (and KV capacity) now rather than at the next refresh."""
@@ -236,6 +257,24 @@ class Balancer:
         )
 
     # dispatch ------------------------------------------------------------------------------
+
+    def admit_head(self, request: Request) -> Answer | None:
+        """Key and rate limit, judged on the head alone: a client without a valid key costs
+        no body buffering, no `100 Continue` and no admission slot."""
+        if not self.auth.enabled or request.path not in self._keyed_routes:
+            return None
+        try:
+            client = self.auth.check(request.header("authorization"), asyncio.get_running_loop().time())
+        except ClientError as exc:
+            headers = exc.headers()
+            id_header = self.settings.headers.request_id
+            headers.append((id_header, safe_request_id(request.header(id_header)) or self._new_request_id()))
+            route = request.path if request.path in self._post_routes else OTHER_ROUTE
+            self.metrics.observe_request(route, NO_REPLICA, exc.status, 0.0)
+            return exc.status, headers, exc.body()
+        if client is not None:
+            request.client = client
+        return None
 
     async def handle(self, request: Request) -> None:
         path = request.path
@@ -272,7 +311,7 @@ class Balancer:
         loop = asyncio.get_running_loop()
         started = loop.time()
         id_header = self.settings.headers.request_id
-        request_id = request.header(id_header) or self._new_request_id()
+        request_id = safe_request_id(request.header(id_header)) or self._new_request_id()
         outcome = Outcome()
         admitted = False
         try:
@@ -306,8 +345,8 @@ class Balancer:
                 self.admission.release()
             elapsed = loop.time() - started
             ttft = None if outcome.first_byte_at is None else outcome.first_byte_at - started
-            # A model no replica serves is the client's free text: kept out of the labels.
-            model = "" if outcome.error == "model_not_found" else outcome.model
+            # A model no replica lists is the client's free text: kept out of the labels.
+            model = self.fleet.model_label(outcome.model, loop.time())
             failover = outcome.answered and len(outcome.attempts) > 1
             self.metrics.observe_request(route, outcome.replica, outcome.status, elapsed, model, ttft, failover)
             if self.access_log and access_log.isEnabledFor(logging.INFO):
@@ -339,7 +378,6 @@ class Balancer:
         request.respond(exc.status, headers, exc.body())
 
     async def _forward(self, request: Request, route: str, request_id: str, outcome: Outcome) -> None:
-        self.auth.check(request.header("authorization"), asyncio.get_running_loop().time())
         clock = time.perf_counter
         parse_began = clock()
         prompt_tokens = self.prompt_tokens
@@ -408,11 +446,7 @@ class Balancer:
     # local routes --------------------------------------------------------------------------
 
     def models(self, request: Request) -> None:
-        try:
-            self.auth.check(request.header("authorization"))
-        except ClientError as exc:
-            request.respond(exc.status, exc.headers(), exc.body())
-            return
+        # The key was checked on the head (admit_head).
         body = orjson.dumps({"object": "list", "data": self.fleet.model_cards()})
         request.respond(200, JSON_HEADERS, body)
 
@@ -526,9 +560,12 @@ async def start_balancer(
         max_header_bytes=settings.limits.max_header_bytes,
         max_body_bytes=settings.limits.max_body_bytes,
         body_timeout_s=settings.timeouts.first_byte_s,
+        max_connections=settings.limits.max_connections,
+        max_buffered_bytes=settings.limits.max_buffered_bytes,
+        write_timeout_s=settings.timeouts.client_write_s,
     )
     error_answer = make_error_answer(settings.headers.request_id)
-    server = HttpServer(balancer.handle, error_answer, limits)
+    server = HttpServer(balancer.handle, error_answer, limits, admit=balancer.admit_head)
     admin = settings.admin
     admin_server = None
     if admin.listen_port is not None and balancer.admin.enabled:

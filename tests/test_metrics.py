@@ -61,7 +61,7 @@ async def test_requests_by_route_replica_status_and_in_flight() -> None:
         return samples[("kvlb_requests_total", labels)]
 
     assert requests("stub-model", "good", "200") == 3
-    assert requests("", "none", "404") == 1  # a model nobody serves stays out of the labels
+    assert requests("other", "none", "404") == 1  # a model nobody serves stays out of the labels
     assert requests("dead-model", "dead", "502") == 1
     assert samples[("kvlb_request_duration_seconds_count", (("route", "/v1/completions"),))] == 5
     assert samples[("kvlb_in_flight_requests", (("replica", "slow"),))] == 1
