@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -33,8 +34,8 @@ def error_body(status: int, message: str, code: str, _request: Request | None):
 
 
 @asynccontextmanager
-async def server(**limits) -> AsyncIterator[tuple[int, HttpServer]]:
-    srv = HttpServer(echo_handler, error_body, ServerLimits(**limits))
+async def server(admit=None, handler=echo_handler, **limits) -> AsyncIterator[tuple[int, HttpServer]]:
+    srv = HttpServer(handler, error_body, ServerLimits(**limits), admit=admit)
     for _ in range(50):
         try:
             port = await srv.listen("127.0.0.1", random.randrange(*TEST_PORT_RANGE))
@@ -190,3 +191,89 @@ async def test_a_client_dripping_its_headers_does_not_extend_the_deadline() -> N
         writer.close()
         assert answer.startswith(b"HTTP/1.1 408 ")
         assert elapsed < 0.9  # the deadline counted from the first byte, not the last
+
+
+async def test_connections_beyond_the_cap_get_503_with_retry_after() -> None:
+    async with server(max_connections=2) as (port, srv):
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        while len(srv.connections) < 2:
+            await asyncio.sleep(0.01)
+        raw = await exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert raw.startswith(b"HTTP/1.1 503 ") and b"\r\nRetry-After: 1\r\n" in raw
+        assert b'"too_many_connections"' in raw
+        # The connections held before the cap was reached still work.
+        reader, writer = held[0]
+        writer.write(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await asyncio.wait_for(reader.readuntil(b"}"), 5)).startswith(b"HTTP/1.1 200 ")
+        for _, w in held:
+            w.close()
+        while srv.connections:
+            await asyncio.sleep(0.01)
+        assert (await exchange(port, b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n")).startswith(b"HTTP/1.1 200 ")
+
+
+async def test_a_body_beyond_the_buffer_budget_is_refused_on_its_head() -> None:
+    async with server(max_buffered_bytes=1000) as (port, srv):
+        slow_reader, slow = await asyncio.open_connection("127.0.0.1", port)
+        slow.write(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 800\r\n\r\n" + b"x" * 100)
+        await slow.drain()
+        while srv.buffered_bytes == 0:
+            await asyncio.sleep(0.01)
+        raw = await exchange(port, b"POST /b HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                                   b"Content-Length: 300\r\n\r\n")
+        assert raw.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in raw
+        assert b"100 Continue" not in raw and b'"buffer_budget_exceeded"' in raw
+        small = await exchange(port, b"POST /c HTTP/1.1\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+        assert small.startswith(b"HTTP/1.1 200 ")
+        slow.close()  # an aborted upload gives its reservation back
+        while srv.buffered_bytes:
+            await asyncio.sleep(0.01)
+
+
+async def test_a_chunked_body_counts_against_the_budget_as_it_arrives() -> None:
+    async with server(max_buffered_bytes=1000) as (port, srv):
+        raw = await exchange(port, b"POST /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                   b"3e8\r\n" + b"x" * 1000 + b"\r\n1\r\nx\r\n0\r\n\r\n")
+        assert raw.startswith(b"HTTP/1.1 503 ") and b'"buffer_budget_exceeded"' in raw
+        assert srv.buffered_bytes == 0
+
+
+async def test_a_request_refused_on_its_head_gets_no_100_continue_and_its_body_is_never_read() -> None:
+    def admit(request: Request):
+        if request.header("authorization") != "Bearer ok":
+            return 401, [("Content-Type", "application/json")], b'{"error": {"code": "invalid_api_key"}}'
+        return None
+
+    async with server(admit=admit) as (port, srv):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /a HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 33554432\r\n\r\n")
+        raw = await asyncio.wait_for(reader.read(), 5)  # answered and closed without the body
+        writer.close()
+        assert raw.startswith(b"HTTP/1.1 401 ") and b"100 Continue" not in raw
+        assert srv.buffered_bytes == 0
+        # Without a body the connection stays usable: the next request on it is served.
+        raw = await exchange(port, b"GET /a HTTP/1.1\r\n\r\nGET /b HTTP/1.1\r\nAuthorization: Bearer ok\r\n"
+                                   b"Connection: close\r\n\r\n")
+        assert raw.startswith(b"HTTP/1.1 401 ") and b"HTTP/1.1 200 " in raw
+
+
+async def test_an_answer_the_client_never_reads_is_let_go_after_the_write_timeout() -> None:
+    big = b"x" * (8 << 20)
+
+    async def handler(request: Request) -> None:
+        request.respond(200, [], big)
+
+    async with server(handler=handler, write_timeout_s=0.3) as (port, srv):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+            await asyncio.get_running_loop().sock_sendall(sock, b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n")
+            while not srv.connections:
+                await asyncio.sleep(0.01)
+            async with asyncio.timeout(5):
+                while srv.connections:  # aborted rather than held open for the unread answer
+                    await asyncio.sleep(0.05)
+        finally:
+            sock.close()
