@@ -15,6 +15,13 @@ child's `parent_block_hash` to kvlb's key.
 
 A gap in the sequence numbers means lost events: the replica's entries can no longer be
 trusted, so they are dropped, and rebuilt as the engine stores blocks again.
+
+A message is checked whole before any of it is applied. One that is not a well-formed batch
+(a field of the wrong type, an unhashable block hash, token ids that are not ids) is counted
+and dropped, and changes nothing; the subscription goes on. It does not move the sequence on
+either, so if it was the engine's own batch, the next one shows the gap: its events are lost
+like any lost message's, and the replica's entries are dropped rather than left listing
+blocks a lost `BlockRemoved` evicted.
 """
 
 from __future__ import annotations
@@ -22,7 +29,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import reprlib
 import time
+from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +48,9 @@ STORED, REMOVED, CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
 # The tier an engine computes from; offloaded copies (CPU, disk) are not prefix hits.
 PRIMARY_MEDIA = (None, "GPU", "gpu")
 RECONNECT_S = 1.0
+# A publisher that sends garbage sends it with every batch: one warning per replica this
+# often, the rest at debug.
+WARN_EVERY_S = 60.0
 
 
 class MalformedEvents(ValueError):
@@ -52,6 +65,9 @@ class Stored:
     block_size: int
     lora_id: Any = None
     medium: Any = None
+    # The token ids packed as the hashing reads them, when decoding already packed them to
+    # check them: packing twice would cost more than half as much again as hashing.
+    packed: array | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,30 +85,81 @@ Event = Stored | Removed | Cleared
 
 
 def _event(raw: Any) -> Event | None:
-    """One event in either encoding; None for kinds precise mode has no use for."""
+    """One event in either encoding, checked; None for kinds precise mode has no use for."""
     if isinstance(raw, dict):
         kind = raw.get("type")
         if kind == STORED:
-            return Stored(raw["block_hashes"], raw.get("parent_block_hash"), raw["token_ids"],
-                          raw["block_size"], raw.get("lora_id"), raw.get("medium"))
+            return _stored(raw["block_hashes"], raw.get("parent_block_hash"), raw["token_ids"],
+                           raw["block_size"], raw.get("lora_id"), raw.get("medium"))
         if kind == REMOVED:
-            return Removed(raw["block_hashes"], raw.get("medium"))
+            return _removed(raw["block_hashes"], raw.get("medium"))
         if kind == CLEARED:
             return Cleared()
         return None
     if isinstance(raw, list | tuple) and raw:
         kind, fields = raw[0], raw[1:]
         if kind == STORED:
+            if len(fields) < 4:
+                raise MalformedEvents(f"BlockStored has {len(fields)} fields, at least 4 expected")
             hashes, parent, tokens, block_size = fields[:4]
             lora = fields[4] if len(fields) > 4 else None
             medium = fields[5] if len(fields) > 5 else None
-            return Stored(hashes, parent, tokens, block_size, lora, medium)
+            return _stored(hashes, parent, tokens, block_size, lora, medium)
         if kind == REMOVED:
-            return Removed(fields[0], fields[1] if len(fields) > 1 else None)
+            if not fields:
+                raise MalformedEvents("BlockRemoved has no block hashes")
+            return _removed(fields[0], fields[1] if len(fields) > 1 else None)
         if kind == CLEARED:
             return Cleared()
         return None
     raise MalformedEvents(f"an event must be a map or a tagged array, got {type(raw).__name__}")
+
+
+def _is_block_hash(value: Any) -> bool:
+    # 64-bit integers or raw bytes (vLLM), lists of ints (SGLang): each must make a key.
+    kind = type(value)
+    if kind is int or kind is bytes or kind is str:
+        return True
+    return (kind is list or kind is tuple) and all(type(part) is int for part in value)
+
+
+def _block_hashes(value: Any) -> list[Any]:
+    if not isinstance(value, list | tuple) or not all(map(_is_block_hash, value)):
+        raise MalformedEvents(f"block_hashes must be a list of block hashes, got {_shown(value)}")
+    return list(value)
+
+
+def _medium(value: Any) -> Any:
+    if value is not None and type(value) is not str:
+        raise MalformedEvents(f"medium must be a string or null, got {_shown(value)}")
+    return value
+
+
+def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora: Any, medium: Any) -> Stored:
+    hashes = _block_hashes(hashes)
+    if parent is not None and not _is_block_hash(parent):
+        raise MalformedEvents(f"parent_block_hash must be a block hash or null, got {_shown(parent)}")
+    if type(block_size) is not int:
+        raise MalformedEvents(f"block_size must be an integer, got {_shown(block_size)}")
+    if lora is not None and type(lora) not in (int, str):
+        raise MalformedEvents(f"lora_id must be an integer or null, got {_shown(lora)}")
+    # A list only: array() would also take bytes (as raw machine words) or a map's keys.
+    if not isinstance(tokens, list):
+        raise MalformedEvents(f"token_ids must be a list, got {_shown(tokens)}")
+    try:
+        packed = array("I", tokens)
+    except (TypeError, OverflowError) as exc:
+        raise MalformedEvents(f"token_ids must be integers in [0, 2**32): {exc}") from None
+    return Stored(hashes, parent, tokens, block_size, lora, _medium(medium), packed)
+
+
+def _removed(hashes: Any, medium: Any) -> Removed:
+    return Removed(_block_hashes(hashes), _medium(medium))
+
+
+def _shown(value: Any) -> str:
+    # Bounded: a publisher sending garbage may send a lot of it.
+    return reprlib.repr(value)
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[Event], int | None]:
@@ -106,13 +173,20 @@ def decode_batch(payload: bytes) -> tuple[float, list[Event], int | None]:
     if not isinstance(batch, list | tuple) or len(batch) not in (2, 3):
         raise MalformedEvents("a batch must be [timestamp, events] or [timestamp, events, rank]")
     timestamp, raw_events = batch[0], batch[1]
+    # bool is an int to Python, never to an engine.
+    if type(timestamp) not in (int, float) or not math.isfinite(timestamp):
+        raise MalformedEvents(f"a batch's timestamp must be a number, got {_shown(timestamp)}")
     if not isinstance(raw_events, list | tuple):
         raise MalformedEvents("a batch's events must be a list")
+    rank = batch[2] if len(batch) == 3 else None
+    if rank is not None and type(rank) is not int:
+        raise MalformedEvents(f"a batch's data-parallel rank must be an integer, got {_shown(rank)}")
     try:
         events = [e for e in map(_event, raw_events) if e is not None]
-    except (KeyError, ValueError, TypeError) as exc:
+    except KeyError as exc:
+        raise MalformedEvents(f"an event lacks {exc}") from None
+    except (TypeError, ValueError) as exc:  # what the checks above did not foresee
         raise MalformedEvents(f"bad event: {exc!r}") from None
-    rank = batch[2] if len(batch) == 3 else None
     return float(timestamp), events, rank
 
 
@@ -150,7 +224,7 @@ class KvEventsCollector:
         yield blocks
         yield CounterMetricFamily("kvlb_kv_events_cleared", "AllBlocksCleared events applied", value=s.cleared)
         yield CounterMetricFamily("kvlb_kv_events_gaps", "Sequence gaps: a replica's entries dropped after lost events", value=s.gaps)
-        yield CounterMetricFamily("kvlb_kv_events_malformed", "Messages that were not KV event batches", value=s.malformed)
+        yield CounterMetricFamily("kvlb_kv_events_malformed", "Messages dropped because they were not well-formed KV event batches", value=s.malformed)
         yield GaugeMetricFamily("kvlb_kv_events_lag_seconds", "From the engine's timestamp to applying its last batch", value=s.last_lag_s)
 
 
@@ -209,6 +283,15 @@ class KvEventIndex:
             log.warning("replica %s: KV event sequence jumped from %d to %d; its index entries are dropped",
                         replica, last, seq)
             self.reset(replica)
+
+    def receive(self, replica: str, seq: int, payload: bytes, now: float) -> None:
+        """One message from the replica's publisher: its sequence number and payload. Raises
+        MalformedEvents, having changed nothing, when the payload is not a batch."""
+        timestamp, batch, _rank = decode_batch(payload)
+        self.sequence(replica, seq)
+        self.apply(replica, batch)
+        self.stats.batches += 1
+        self.stats.last_lag_s = max(now - timestamp, 0.0)
 
     def restart_sequence(self, replica: str) -> None:
         """The next message starts a new sequence (a new connection)."""
@@ -269,7 +352,8 @@ class KvEventIndex:
             if parent is None:
                 stats.unknown_parent += count
                 return
-        hashes = token_block_hashes(event.token_ids, self.block_size, parent)
+        tokens = event.token_ids if event.packed is None else event.packed
+        hashes = token_block_hashes(tokens, self.block_size, parent)
         if not self.index.extend(replica, parent, hashes):
             stats.unknown_parent += count
             return
@@ -307,6 +391,8 @@ class KvEventSubscriber:
         self._clock = clock
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._context: Any = None
+        self._warned_at: dict[str, float] = {}  # per replica, monotonic
+        self._unwarned: dict[str, int] = {}  # per replica, messages logged at debug since
 
     def _zmq(self) -> Any:
         import zmq.asyncio
@@ -326,6 +412,8 @@ class KvEventSubscriber:
             task.cancel()
         self.events.forget(replica)
         self.events.stats.connected.discard(replica)
+        self._warned_at.pop(replica, None)
+        self._unwarned.pop(replica, None)
 
     async def close(self) -> None:
         tasks = list(self._tasks.values())
@@ -384,16 +472,29 @@ class KvEventSubscriber:
         events, stats = self.events, self.events.stats
         while True:
             parts = await sock.recv_multipart()
-            if len(parts) != 3 or len(parts[1]) != 8:
-                stats.malformed += 1
-                continue
             try:
-                timestamp, batch, _rank = decode_batch(parts[2])
+                if len(parts) != 3 or len(parts[1]) != 8:
+                    raise MalformedEvents("not three frames [topic, 8-byte sequence number, payload]")
+                events.receive(replica, int.from_bytes(parts[1], "big"), parts[2], self._clock())
             except MalformedEvents as exc:
                 stats.malformed += 1
-                log.debug("replica %s: malformed KV event message: %s", replica, exc)
-                continue
-            events.sequence(replica, int.from_bytes(parts[1], "big"))
-            events.apply(replica, batch)
-            stats.batches += 1
-            stats.last_lag_s = max(self._clock() - timestamp, 0.0)
+                self._complain(replica, "malformed KV event message dropped: %s", exc)
+            except Exception as exc:  # a bug here must not end precise mode for the replica
+                stats.malformed += 1
+                # The batch may be half applied, so the replica's entries cannot be trusted.
+                with contextlib.suppress(Exception):
+                    events.reset(replica)
+                self._complain(replica, "KV event message failed (%r); its index entries are dropped", exc,
+                               exc_info=True)
+
+    def _complain(self, replica: str, message: str, *args: Any, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        last = self._warned_at.get(replica)
+        if last is not None and now - last < WARN_EVERY_S:
+            self._unwarned[replica] = self._unwarned.get(replica, 0) + 1
+            log.debug("replica %s: " + message, replica, *args, exc_info=exc_info)
+            return
+        self._warned_at[replica] = now
+        quiet = self._unwarned.pop(replica, 0)
+        more = f" ({quiet} more since the last warning)" if quiet else ""
+        log.warning("replica %s: " + message + more, replica, *args, exc_info=exc_info)

@@ -7,6 +7,7 @@ through unchanged.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,6 +19,12 @@ from policies.base import RequestFeatures
 # Routes whose OpenAI contract makes `model` mandatory; SGLang's /generate has no model field.
 MODEL_REQUIRED_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 SESSION_HEADER = "x-session-id"
+# orjson refuses numbers past a double's range (1e400, or over 309 digits), which JSON allows
+# and the engines' parser (Python's json) reads. Its only refusal for a number's size.
+NUMBER_RANGE_ERROR = "number is infinity when parsed as double"
+# orjson reads integers past 64 bits as floats; the fallback reads them alike, so a body
+# routes the same whichever parser read it.
+INT_RANGE = range(-(1 << 63), 1 << 64)
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
@@ -27,16 +34,67 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         try:
-            body.decode("utf-8")
+            text = body.decode("utf-8")
         except UnicodeDecodeError as utf_exc:
             raise ClientError(
                 400, f"request body is not valid UTF-8 (byte {utf_exc.start})", "invalid_encoding"
             ) from None
-        raise ClientError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+        if not exc.msg.startswith(NUMBER_RANGE_ERROR):
+            raise ClientError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+        data = _loads_wide_numbers(text)
     if not isinstance(data, dict):
         kind = type(data).__name__
         raise ClientError(400, f"request body must be a JSON object, got {kind}", "invalid_json")
     return data
+
+
+def _loads_wide_numbers(text: str) -> Any:
+    """The body orjson refused only for a number's size, read by the json module, which is
+    as strict as orjson otherwise: what orjson would refuse further on is refused here."""
+    try:
+        data = json.loads(text, parse_int=_int, parse_constant=_no_constant)
+    except ValueError as exc:  # json.JSONDecodeError and _no_constant's
+        raise ClientError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+    except RecursionError:
+        raise ClientError(400, "request body is not valid JSON: nested too deeply", "invalid_json") from None
+    _refuse_lone_surrogates(data)
+    return data
+
+
+def _int(digits: str) -> int | float:
+    # Short ones only: int() refuses over 4,300 digits (Python's guard against slow parsing),
+    # and no integer in INT_RANGE has over 20 and a sign.
+    if len(digits) <= 21:
+        value = int(digits)
+        if value in INT_RANGE:
+            return value
+    return float(digits)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _refuse_lone_surrogates(data: Any) -> None:
+    """json reads an escaped half of a surrogate pair ("\\ud800") as a string no UTF-8 can
+    encode; orjson refuses it, and so must this."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            for key, value in item.items():
+                stack.append(key)
+                stack.append(value)
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str) and not item.isascii():
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ClientError(
+                    400, f"request body is not valid JSON: lone surrogate \\u{ord(item[exc.start]):x} in a string",
+                    "invalid_json",
+                ) from None
 
 
 PromptOf = Callable[[str, Mapping[str, Any]], Any]

@@ -20,6 +20,10 @@ Three things travel, all in background tasks; a request never waits for Redis:
 When Redis is unreachable or slow each command gives up after `timeout_s`; the instance
 routes on its own state, logs one warning, counts the errors, drops the peers' load once it
 is older than `load_ttl_s`, and picks up the stream where it left off when Redis returns.
+
+What peers wrote is checked whole before any of it is used: a stream entry, load snapshot or
+key of a shape this version does not write (another version's, or anything else's under the
+same prefix) is counted (`kvlb_sync_malformed_entries_total`) and skipped, and reading goes on.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import reprlib
 import secrets
 import socket
 import time
@@ -51,9 +56,15 @@ READ_BATCH = 1000  # stream entries per read
 MAX_BATCH = 1000  # routing events per stream entry
 STREAM_EXPIRY_S = 3600
 MAX_DEPARTED = 1000
+# One warning per peer this often about what it wrote that cannot be read; the rest at debug.
+WARN_EVERY_S = 60.0
 # The lag histogram's upper bounds, seconds: decisions should reach peers within milliseconds.
 LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, float("inf"))
 RETRY_S = (0.2, 0.5, 1.0, 2.0)
+
+
+class MalformedEntry(ValueError):
+    """Something a peer wrote that is not what this version of kvlb writes."""
 
 
 def default_instance_id() -> str:
@@ -70,6 +81,7 @@ class SyncStats:
         self.applied = 0
         self.dropped = 0
         self.errors = 0
+        self.malformed = 0  # peers' stream entries, snapshots and keys skipped unread
         self.lag_counts = [0] * len(LAG_BUCKETS)
         self.lag_sum = 0.0
 
@@ -95,6 +107,7 @@ class SyncCollector:
         yield CounterMetricFamily("kvlb_sync_events_applied", "Other instances' routing events recorded in this index", value=s.applied)
         yield CounterMetricFamily("kvlb_sync_events_dropped", "Routing events dropped because Redis stayed away longer than the queue holds", value=s.dropped)
         yield CounterMetricFamily("kvlb_sync_errors", "Redis commands that failed or timed out", value=s.errors)
+        yield CounterMetricFamily("kvlb_sync_malformed_entries", "Other instances' stream entries, load snapshots and keys skipped because this version cannot read them", value=s.malformed)
         buckets, running = [], 0
         for bound, count in zip(LAG_BUCKETS, s.lag_counts, strict=True):
             running += count
@@ -138,6 +151,8 @@ class StateSync:
         self._published_load: dict[str, tuple[int, int, int]] | None = None
         self._peers_seen_at = 0.0
         self._down_since: float | None = None
+        self._warned_at: dict[str, float] = {}  # per peer, monotonic
+        self._unwarned: dict[str, int] = {}  # per peer, logged at debug since the last warning
         if tracker is not None:
             tracker.on_record = self.routed
 
@@ -250,22 +265,29 @@ class StateSync:
             key = stream.decode()
             peer = key[len(self.stream_prefix):]
             for entry_id, fields in entries:
+                # Moved on first, so an entry that cannot be read is never read again.
                 self._last_ids[key] = entry_id
-                if self.tracker is not None:
-                    self._apply(fields)
-                if b"l" in fields:
-                    self._take_snapshot(peer, fields[b"l"])
+                try:
+                    self._read_entry(peer, fields)
+                except MalformedEntry as exc:
+                    self._malformed(peer, "stream entry %s skipped: %s", entry_id, exc)
+                except Exception as exc:  # a bug here must not stop this instance reading its peers
+                    self._malformed(peer, "stream entry %s failed (%r); skipped", entry_id, exc, exc_info=True)
         if answer:
             self._apply_peer_loads()
 
-    def _apply(self, fields: dict[bytes, bytes]) -> None:
-        try:
-            index = orjson.loads(fields[b"e"])
-            hashes = array("Q")
-            hashes.frombytes(fields[b"h"])
-        except (KeyError, ValueError, orjson.JSONDecodeError):
-            self.stats.errors += 1  # not an entry this version of kvlb wrote
-            return
+    def _read_entry(self, peer: str, fields: Any) -> None:
+        if not isinstance(fields, dict):
+            raise MalformedEntry("no fields")
+        # Both halves are checked before either is used: nothing of a bad entry applies.
+        events = _events_of(fields) if self.tracker is not None else None
+        snapshot = _snapshot_of(fields[b"l"]) if b"l" in fields else None
+        if events is not None:
+            self._apply(*events)
+        if snapshot is not None:
+            self._keep_snapshot(peer, *snapshot)
+
+    def _apply(self, index: list[list[Any]], hashes: array) -> None:
         record = self.tracker.index.record  # type: ignore[union-attr]
         known = self.fleet.by_name
         now = time.time()
@@ -279,6 +301,24 @@ class StateSync:
             self.stats.applied += 1
             self.stats.observe_lag(max(0.0, now - at))
 
+    def _malformed(self, peer: str, message: str, *args: Any, exc_info: bool = False) -> None:
+        self.stats.malformed += 1
+        now = time.monotonic()
+        last = self._warned_at.get(peer)
+        if last is not None and now - last < WARN_EVERY_S:
+            self._unwarned[peer] = self._unwarned.get(peer, 0) + 1
+            log.debug("peer %s: " + message, peer, *args, exc_info=exc_info)
+            return
+        self._warned_at.pop(peer, None)
+        self._warned_at[peer] = now
+        while len(self._warned_at) > MAX_DEPARTED:  # names come from what others wrote
+            oldest = next(iter(self._warned_at))
+            del self._warned_at[oldest]
+            self._unwarned.pop(oldest, None)
+        quiet = self._unwarned.pop(peer, 0)
+        more = f" ({quiet} more since the last warning)" if quiet else ""
+        log.warning("peer %s: " + message + more, peer, *args, exc_info=exc_info)
+
     # -- load and membership ---------------------------------------------------------------
 
     def _local_load(self) -> dict[str, tuple[int, int, int]]:
@@ -288,25 +328,18 @@ class StateSync:
     def _snapshot(load: dict[str, tuple[int, int, int]]) -> bytes:
         return orjson.dumps({"t": time.time(), "l": load})
 
-    def _take_snapshot(self, peer: str, raw: bytes) -> None:
-        try:
-            snapshot = orjson.loads(raw)
-            taken, load = float(snapshot["t"]), snapshot["l"]
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-            self.stats.errors += 1
-            return
+    def _keep_snapshot(self, peer: str, taken: float, load: dict[str, list[int]]) -> None:
         known = self._peer_loads.get(peer)
-        if isinstance(load, dict) and (known is None or taken >= known[0]):
+        if known is None or taken >= known[0]:
             self._peer_loads[peer] = (taken, load)
 
     def _apply_peer_loads(self) -> None:
         totals: dict[str, list[int]] = {}
         for _, load in self._peer_loads.values():
-            for name, counts in load.items():
-                with contextlib.suppress(TypeError, ValueError, IndexError):
-                    total = totals.setdefault(name, [0, 0, 0])
-                    for i in range(3):
-                        total[i] += int(counts[i])
+            for name, counts in load.items():  # checked by _snapshot_of
+                total = totals.setdefault(name, [0, 0, 0])
+                for i in range(3):
+                    total[i] += counts[i]
         for replica in self.fleet.replicas:
             replica.set_remote_load(*totals.get(replica.name, (0, 0, 0)))
         self.stats.peers = len(self._peer_loads)
@@ -314,10 +347,19 @@ class StateSync:
     async def _exchange_load(self) -> None:
         ttl_ms = int(self.settings.load_ttl_s * 1000)
         await self.redis.set(self.instance_prefix + self.instance_id, self._snapshot(self._local_load()), px=ttl_ms)
-        keys = [key async for key in self.redis.scan_iter(match=self.instance_prefix + "*", count=1000)]
         own = (self.instance_prefix + self.instance_id).encode()
-        keys = [key for key in keys if key != own]
-        peer_streams = {self.stream_prefix + key.decode()[len(self.instance_prefix):] for key in keys}
+        keys, peers = [], []
+        async for key in self.redis.scan_iter(match=self.instance_prefix + "*", count=1000):
+            if key == own:
+                continue
+            try:
+                peers.append(key.decode()[len(self.instance_prefix):])
+            except UnicodeDecodeError:
+                # No kvlb names itself so; its stream could not be named to Redis either.
+                self._malformed(repr(key), "key is not UTF-8; skipped")
+                continue
+            keys.append(key)
+        peer_streams = {self.stream_prefix + peer for peer in peers}
         for stream in self._last_ids.keys() - peer_streams:
             # That instance has gone, or only missed its refresh: if it returns, reading
             # resumes where it stopped instead of replaying its stream.
@@ -328,12 +370,14 @@ class StateSync:
             del self._departed[next(iter(self._departed))]
         snapshots = await self.redis.mget(keys) if keys else []
         alive = set()
-        for key, raw in zip(keys, snapshots, strict=True):
+        for peer, raw in zip(peers, snapshots, strict=True):
             if raw is None:
                 continue  # lapsed between the scan and the read
-            peer = key.decode()[len(self.instance_prefix):]
             alive.add(peer)
-            self._take_snapshot(peer, raw)
+            try:
+                self._keep_snapshot(peer, *_snapshot_of(raw))
+            except MalformedEntry as exc:
+                self._malformed(peer, "load snapshot skipped: %s", exc)
         for peer in self._peer_loads.keys() - alive:
             del self._peer_loads[peer]  # its key lapsed: it died or left
         self._apply_peer_loads()
@@ -342,3 +386,45 @@ class StateSync:
     def _forget_peers(self) -> None:
         self._peer_loads.clear()
         self._apply_peer_loads()
+
+
+def _events_of(fields: dict[bytes, Any]) -> tuple[list[list[Any]], array]:
+    """A stream entry's routing events: [[replica, wall time, hash count]] and the hashes."""
+    try:
+        index = orjson.loads(fields[b"e"])
+        hashes = array("Q")
+        hashes.frombytes(fields[b"h"])
+    except KeyError as exc:
+        raise MalformedEntry(f"no field {exc}") from None
+    except (ValueError, TypeError) as exc:  # not JSON; not whole 64-bit hashes
+        raise MalformedEntry(f"unreadable events: {exc}") from None
+    if not isinstance(index, list):
+        raise MalformedEntry("events are not a list")
+    total = 0
+    for event in index:
+        # bool is an int to Python, never in what kvlb writes.
+        if not (isinstance(event, list) and len(event) == 3 and type(event[0]) is str
+                and type(event[1]) in (int, float) and type(event[2]) is int and event[2] >= 0):
+            raise MalformedEntry(f"an event is not [replica, time, hash count]: {reprlib.repr(event)}")
+        total += event[2]
+    if total != len(hashes):
+        raise MalformedEntry(f"events count {total} hashes, the entry holds {len(hashes)}")
+    return index, hashes
+
+
+def _snapshot_of(raw: Any) -> tuple[float, dict[str, list[int]]]:
+    """A peer's load snapshot: (its wall time, {replica: [in flight, queued prefill tokens,
+    decoding]})."""
+    try:
+        snapshot = orjson.loads(raw)
+    except (ValueError, TypeError) as exc:
+        raise MalformedEntry(f"unreadable load snapshot: {exc}") from None
+    taken = snapshot.get("t") if isinstance(snapshot, dict) else None
+    load = snapshot.get("l") if isinstance(snapshot, dict) else None
+    if type(taken) not in (int, float) or not isinstance(load, dict):
+        raise MalformedEntry("a load snapshot is not {t: time, l: {replica: counts}}")
+    for counts in load.values():
+        # A later version may count more; the first three are these.
+        if not (isinstance(counts, list) and len(counts) >= 3 and all(type(c) is int for c in counts[:3])):
+            raise MalformedEntry(f"a replica's load is not [in flight, prefill tokens, decoding]: {reprlib.repr(counts)}")
+    return float(taken), load
