@@ -239,6 +239,10 @@ class RoutingSettings:
     tokens_per_char: float = _checked(0.25, _positive)
     index_ttl_s: float = _checked(600.0, _positive)
     index_max_entries: int = _checked(2_000_000, _at_least(1))
+    # A replica's KV capacity when neither its config nor the engine says (vLLM does not):
+    # the index never predicts more cached than this, so a stream of distinct prompts costs
+    # a bounded share of memory per replica rather than the whole budget.
+    assumed_kv_capacity_tokens: int = _checked(1 << 20, _at_least(1))
     forget_unhealthy_after_s: float = _checked(30.0, _positive)
 
 

@@ -51,7 +51,8 @@ class PrefixIndex:
     """
 
     def __init__(self, *, tokens_per_block: float, ttl_s: float = 600.0,
-                 max_entries: int = 2_000_000, clock: Callable[[], float]) -> None:
+                 max_entries: int = 2_000_000, clock: Callable[[], float],
+                 default_capacity_tokens: float | None = None) -> None:
         if not tokens_per_block > 0:
             raise ValueError("tokens_per_block must be positive")
         if not ttl_s > 0:
@@ -70,6 +71,9 @@ class PrefixIndex:
         self._free_ids: list[int] = []  # heap: reusing the lowest keeps the masks short
         # Kept by name, so it outlives remove_replica (a restart empties a cache, not its size).
         self._capacity_tokens: dict[str, float] = {}
+        # For replicas whose capacity nobody gave: no engine holds more than this, so neither
+        # does the index, and its memory follows the fleet rather than the traffic.
+        self.default_capacity_tokens = default_capacity_tokens
         self._entries = 0
         # True while every parent is more recent than its children in the LRUs (all `record`
         # calls); `extend` gives that up, and age-based removal then takes subtrees.
@@ -428,7 +432,7 @@ class PrefixIndex:
             self._drop(bit, h)
 
     def _enforce_capacity(self, replica: str, rid: int) -> None:
-        cap = self._capacity_tokens.get(replica)
+        cap = self._capacity_tokens.get(replica, self.default_capacity_tokens)
         if cap is not None:
             excess = len(self._lru[rid]) - int(cap // self.tokens_per_block)
             if excess > 0:

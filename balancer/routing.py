@@ -62,6 +62,7 @@ class CacheTracker:
             ttl_s=settings.index_ttl_s,
             max_entries=settings.index_max_entries,
             clock=clock,
+            default_capacity_tokens=settings.assumed_kv_capacity_tokens,
         )
 
     def predict(self, prompt: str | Sequence[int]) -> Routed:

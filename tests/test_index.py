@@ -128,6 +128,16 @@ def test_capacity_is_per_replica_and_in_tokens():
     assert index.entries_of("small") == 8
 
 
+def test_a_replica_of_unknown_capacity_holds_no_more_than_the_assumed_capacity():
+    clock = FakeClock()
+    index = PrefixIndex(tokens_per_block=16, clock=clock, default_capacity_tokens=16 * 5)
+    index.set_capacity("known", 16 * 8)
+    index.record("unknown", CHAT_A)
+    index.record("known", CHAT_A)
+    assert index.match(CHAT_A) == {"unknown": 5, "known": 8}
+    assert index.evicted_capacity == 3
+
+
 def test_entries_expire_after_ttl_unless_refreshed():
     index, clock = make(ttl_s=60)
     index.record("r", CHAT_A)
