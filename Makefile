@@ -26,6 +26,7 @@ test-engine: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m loadtest.bench_proxy
+	$(PY) -m loadtest.bench_stream
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
