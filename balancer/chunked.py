@@ -7,7 +7,12 @@ Chunk extensions and trailers are read and dropped.
 
 from __future__ import annotations
 
+import re
+
 MAX_SIZE_LINE_BYTES = 1024
+# A size line: hex digits (16 at most: beyond, no body could be that big), then optional
+# whitespace and extensions. Checked by one compiled match rather than byte by byte.
+_SIZE_LINE = re.compile(rb"([0-9a-fA-F]{1,16})[ \t]*(?:;[^\r\n]*)?\r\n")
 
 
 class ChunkedError(ValueError):
@@ -32,6 +37,14 @@ class ChunkedDecoder:
     def feed(self, data: bytes) -> tuple[list[bytes], bytes]:
         """Decode `data`; returns the body pieces it completed and, once the body has ended
         (`done`), the bytes after it."""
+        if self._state == "size" and not self._pending:
+            # The usual read of a stream: exactly one whole chunk, size line to CRLF.
+            match = _SIZE_LINE.match(data)
+            if match is not None:
+                start = match.end()
+                stop = start + int(match.group(1), 16)
+                if stop > start and len(data) == stop + 2 and data.endswith(b"\r\n"):
+                    return [data[start:stop]], b""
         buf = self._pending + data if self._pending else data
         self._pending = b""
         pos, end_of_buf = 0, len(buf)
@@ -51,10 +64,11 @@ class ChunkedDecoder:
                     if end_of_buf - pos > MAX_SIZE_LINE_BYTES:
                         raise ChunkedTooLarge("chunk size line too long")
                     break
-                size_text = buf[pos:end].split(b";", 1)[0].strip()
-                if not size_text or not all(c in b"0123456789abcdefABCDEF" for c in size_text):
-                    raise ChunkedError(f"malformed chunk size {bytes(size_text[:20])!r}")
-                self._remaining = int(size_text, 16)
+                match = _SIZE_LINE.match(buf, pos, end + 2)
+                if match is None:
+                    size_text = bytes(buf[pos:min(end, pos + 20)])
+                    raise ChunkedError(f"malformed chunk size {size_text!r}")
+                self._remaining = int(match.group(1), 16)
                 pos = end + 2
                 self._state = "data" if self._remaining else "trailer"
             elif state == "crlf":

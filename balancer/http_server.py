@@ -31,6 +31,7 @@ from email.utils import formatdate
 from http import HTTPStatus
 
 from balancer.chunked import ChunkedDecoder, ChunkedError, ChunkedTooLarge
+from balancer.memory import LARGE_BODY_BYTES, large_body_freed
 
 log = logging.getLogger("kvlb.http")
 
@@ -139,6 +140,15 @@ class ResponseStream:
     async def drain(self) -> None:
         """Wait until the client has read enough; ClientStalled after `write_timeout_s`."""
         await self._conn.drain()
+
+    def watch_flow(self, listener: Callable[[bool], None] | None) -> None:
+        """Call `listener(True)` when the client stops keeping up, `listener(False)` when it
+        has caught up again (None: stop): backpressure for writers that never await."""
+        self._conn.flow_listener = listener
+
+    @property
+    def write_timeout_s(self) -> float:
+        return self._conn.limits.write_timeout_s
 
     async def write(self, data: bytes) -> None:
         if self.send(data):
@@ -263,6 +273,7 @@ class _Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_kind = ""  # "idle", "head", "body" or "write": what the timer guards
         self._reserved = 0  # this connection's share of server.buffered_bytes
+        self.flow_listener: Callable[[bool], None] | None = None
 
     # connection lifecycle ----------------------------------------------------------------------
 
@@ -311,6 +322,8 @@ class _Connection(asyncio.Protocol):
         self._reserved += size
 
     def _release_body(self) -> None:
+        if self._reserved >= LARGE_BODY_BYTES:
+            large_body_freed()
         self.server.buffered_bytes -= self._reserved
         self._reserved = 0
 
@@ -322,9 +335,13 @@ class _Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.write_paused = True
+        if self.flow_listener is not None:
+            self.flow_listener(True)
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        if self.flow_listener is not None:
+            self.flow_listener(False)
         if self._timer_kind == "write":
             self._disarm()
             if self._keep_alive:

@@ -25,8 +25,9 @@ from balancer.errors import ClientError
 from balancer.fleet import Replica
 from balancer.http_server import ClientStalled, Headers, Request, ResponseStream
 from balancer.metrics import Metrics
+from balancer.relay import StreamRelay
 from balancer.routing import CacheTracker, Routed
-from balancer.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from balancer.upstream import InvalidResponse, UpstreamError, UpstreamPool, UpstreamResponse
 from balancer.usage import (
     CACHED_MARK,
     META_MARK,
@@ -191,7 +192,7 @@ class Proxy:
                     )
                 except (TimeoutError, OSError) as exc:
                     kind = ("timeout" if isinstance(exc, TimeoutError)
-                            else "broken_response" if isinstance(exc, UpstreamError) else "connect_error")
+                            else "invalid_response" if isinstance(exc, InvalidResponse) else "connect_error")
                     failures.append(f"{replica.name}: {kind} ({exc.__class__.__name__})")
                     self._failed(replica, kind, loop.time())
                     continue
@@ -319,35 +320,27 @@ class Proxy:
 
         stream = await request.start_stream(resp.status, headers, length)
         outcome.stream, outcome.sse = stream, is_sse
-        loop = asyncio.get_running_loop()
         read_usage = self.read_usage and is_sse
         # The last chunk with token counts, and the one after it (an event may straddle them):
         # parsed once, when the stream ends.
-        usage_chunk: bytes | None = None
-        usage_next: bytes | None = None
+        usage: list[bytes] = []
+        on_chunk = None
+        if read_usage or tracker is not None:
+
+            def on_chunk(chunk: bytes) -> None:
+                if read_usage:
+                    if USAGE_MARK in chunk or META_MARK in chunk:
+                        usage[:] = [chunk]
+                    elif len(usage) == 1:
+                        usage.append(chunk)
+                if tracker is not None:
+                    tracker.first_byte(routed)
+                    if not routed.learned:
+                        self._learn(routed, replica, usage_from_sse(chunk))
+
+        relay = StreamRelay(stream, resp, asyncio.get_running_loop(), idle_s, on_chunk)
         try:
-            # One timer for the whole stream, pushed back on every chunk: a stream may last
-            # minutes, but no gap between the replica's chunks may exceed stream_idle_s. While
-            # the client is slow to read, the replica waits on us: that time is the client's,
-            # bounded by client_write_s inside drain(), not the replica's.
-            async with asyncio.timeout(idle_s) as idle:
-                async for chunk in resp.iter_chunks():
-                    if stream.send(chunk):
-                        idle.reschedule(None)
-                        await stream.drain()
-                    now = loop.time()
-                    idle.reschedule(now + idle_s)
-                    if outcome.first_byte_at is None:
-                        outcome.first_byte_at = now
-                    if read_usage:
-                        if USAGE_MARK in chunk or META_MARK in chunk:
-                            usage_chunk, usage_next = chunk, None
-                        elif usage_chunk is not None and usage_next is None:
-                            usage_next = chunk
-                    if tracker is not None:
-                        tracker.first_byte(routed)
-                        if not routed.learned:
-                            self._learn(routed, replica, usage_from_sse(chunk))
+            await relay.run()
         except ClientStalled:
             log.info("request %s: the client stopped reading; its stream is cut", request_id)
             self.metrics.count_client_stall(request.path)
@@ -360,9 +353,13 @@ class Proxy:
                 request, outcome, f"the stream from replica {replica.name} broke: {exc.__class__.__name__}"
             )
             return "broken_stream"
+        except ConnectionError:
+            request.abort()  # the client went away while being written to
+            return None
         finally:
-            if usage_chunk is not None:
-                outcome.tokens = counts_from_sse(usage_chunk + usage_next if usage_next else usage_chunk)
+            outcome.first_byte_at = relay.first_at
+            if usage:
+                outcome.tokens = counts_from_sse(b"".join(usage))
         await stream.end()
         return None
 

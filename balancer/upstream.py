@@ -19,7 +19,7 @@ import re
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from urllib.parse import urlsplit
 
 from balancer.chunked import ChunkedDecoder, ChunkedError
@@ -76,11 +76,16 @@ class UpstreamError(ConnectionError):
     """The replica's connection failed or it sent something that is not HTTP/1.1."""
 
 
+class InvalidResponse(UpstreamError):
+    """The replica sent something that is not a valid HTTP/1.1 answer."""
+
+
 class UpstreamResponse:
-    """Status and headers of a replica's answer; the body is read with `read` or `iter_chunks`."""
+    """Status and headers of a replica's answer; the body is read with `read` or
+    `iter_chunks`, or handed on as it arrives with `pipe`."""
 
     __slots__ = ("status", "reason", "headers", "content_length", "_conn", "_chunks", "_buffered",
-                 "_done", "_error", "_waiter")
+                 "_done", "_error", "_waiter", "_sink", "_ended")
 
     def __init__(self, conn: _Connection, status: int, reason: str,
                  headers: list[tuple[str, str]], content_length: int | None) -> None:
@@ -94,6 +99,8 @@ class UpstreamResponse:
         self._done = False
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._sink: Callable[[bytes], None] | None = None
+        self._ended: asyncio.Future[None] | None = None
 
     def header(self, name: str) -> str | None:
         lower = name.lower()
@@ -105,6 +112,10 @@ class UpstreamResponse:
     # fed by the connection -------------------------------------------------------------------
 
     def _feed(self, data: bytes) -> None:
+        sink = self._sink
+        if sink is not None:
+            sink(data)
+            return
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > PAUSE_ABOVE_BYTES:
@@ -115,6 +126,38 @@ class UpstreamResponse:
         self._done = True
         self._error = error
         self._wake()
+        ended = self._ended
+        if ended is not None and not ended.done():
+            if error is None:
+                ended.set_result(None)
+            else:
+                ended.set_exception(error)
+
+    # handed on ---------------------------------------------------------------------------------
+
+    def pipe(self, sink: Callable[[bytes], None]) -> asyncio.Future[None]:
+        """From now on, call `sink` with the body's bytes as they arrive, inside the
+        connection's own read callback: a relayed chunk costs no task wake-up, no future and
+        no timer. The future ends with the body (UpstreamError if it broke). `sink` must not
+        raise; `pause_reading` is its backpressure."""
+        ended = self._ended = self._conn.loop.create_future()
+        if self._chunks:
+            data = b"".join(self._chunks) if len(self._chunks) > 1 else self._chunks[0]
+            self._chunks.clear()
+            self._buffered = 0
+            sink(data)
+        self._sink = sink
+        if self._done:
+            self._finish(self._error)
+        else:
+            self._conn.resume()
+        return ended
+
+    def pause_reading(self) -> None:
+        self._conn.pause()
+
+    def resume_reading(self) -> None:
+        self._conn.resume()
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -219,9 +262,13 @@ class _Connection(asyncio.Protocol):
             return
         self._got_bytes = True
         try:
-            self._parse(data)
+            if self._body_mode == "chunked":
+                self._parse_chunked(data)  # a stream's every chunk: the short way
+            else:
+                self._parse(data)
         except UpstreamError as exc:
-            self._fail(exc)
+            # What the replica sent is not HTTP: its fault, told apart from a lost connection.
+            self._fail(InvalidResponse(str(exc)))
             self.abort()
 
     def eof_received(self) -> bool:
