@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from email.utils import formatdate
@@ -197,8 +198,9 @@ class HttpServer:
     """Shared by every connection: the handler, the limits and the open connections."""
 
     def __init__(self, handler: Handler, error_body: ErrorBody, limits: ServerLimits,
-                 admit: Admit | None = None) -> None:
+                 admit: Admit | None = None, tcp_nodelay: bool = True) -> None:
         self.handler = handler
+        self.tcp_nodelay = tcp_nodelay  # the event loop sets it on every TCP connection
         self.error_body = error_body
         self.limits = limits
         # Called with each request's head before its body is read; an answer refuses it.
@@ -279,6 +281,10 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if not self.server.tcp_nodelay:
+            sock = transport.get_extra_info("socket")
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 0)
         peer = transport.get_extra_info("peername")
         self.peer = peer[0] if isinstance(peer, tuple) else ""
         server = self.server

@@ -26,7 +26,7 @@ from balancer.upstream import UpstreamResponse
 
 class StreamRelay:
     __slots__ = ("_stream", "_resp", "_loop", "_idle_s", "_write_s", "_on_chunk", "_done",
-                 "_idle_timer", "_write_timer", "_closed", "_send", "last_at", "first_at")
+                 "_idle_timer", "_write_timer", "_closed", "_send", "_time", "last_at", "first_at")
 
     def __init__(self, stream: ResponseStream, resp: UpstreamResponse, loop: asyncio.AbstractEventLoop,
                  idle_s: float, on_chunk: Callable[[bytes], None] | None = None) -> None:
@@ -41,6 +41,7 @@ class StreamRelay:
         self._write_timer: asyncio.TimerHandle | None = None
         self._closed = False
         self._send = stream.send  # bound once: called for every chunk
+        self._time = loop.time
         self.last_at = loop.time()  # when the replica last sent (or the client caught up)
         self.first_at: float | None = None  # when the first body byte went to the client
 
@@ -75,7 +76,7 @@ class StreamRelay:
         except ConnectionError as exc:
             self._fail(exc)
             return
-        now = self.last_at = self._loop.time()
+        now = self.last_at = self._time()
         if self.first_at is None:
             self.first_at = now
         if self._on_chunk is not None:

@@ -565,7 +565,8 @@ async def start_balancer(
         write_timeout_s=settings.timeouts.client_write_s,
     )
     error_answer = make_error_answer(settings.headers.request_id)
-    server = HttpServer(balancer.handle, error_answer, limits, admit=balancer.admit_head)
+    server = HttpServer(balancer.handle, error_answer, limits, admit=balancer.admit_head,
+                        tcp_nodelay=settings.listen.tcp_nodelay)
     admin = settings.admin
     admin_server = None
     if admin.listen_port is not None and balancer.admin.enabled:
