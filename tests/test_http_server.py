@@ -277,3 +277,24 @@ async def test_an_answer_the_client_never_reads_is_let_go_after_the_write_timeou
                     await asyncio.sleep(0.05)
         finally:
             sock.close()
+
+
+async def test_nagle_stays_off_towards_clients_unless_asked_for() -> None:
+    for nodelay in (True, False):
+        srv = HttpServer(echo_handler, error_body, ServerLimits(), tcp_nodelay=nodelay)
+        for _ in range(50):
+            try:
+                port = await srv.listen("127.0.0.1", random.randrange(*TEST_PORT_RANGE))
+                break
+            except OSError:
+                continue
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            while not srv.connections:
+                await asyncio.sleep(0.01)
+            (conn,) = srv.connections
+            sock = conn.transport.get_extra_info("socket")
+            assert bool(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)) is nodelay
+            writer.close()
+        finally:
+            await srv.close(grace_s=0.5)
