@@ -35,10 +35,11 @@ LATENCY_BUCKETS = (
 DECISION_BUCKETS = (
     0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1,
 )
-# Estimated memory of one prefix-index (replica, block) entry, nodes included: the worst of
-# tracemalloc and RSS growth per entry over a million entries, measured by
-# `python -m loadtest.bench_routing` (175-248 bytes; README, "Routing cost"), rounded up.
-INDEX_BYTES_PER_ENTRY = 250
+# Estimated memory of one prefix-index (replica, block) entry, nodes included. Prompts with
+# shared prefixes cost 175-248 bytes an entry (`python -m loadtest.bench_routing`); prompts
+# that share nothing, each entry its own node, cost ~360 bytes of RSS an entry over two
+# million (`python -m loadtest.bench_memory`). The estimate takes the worst case.
+INDEX_BYTES_PER_ENTRY = 360
 
 
 class _Histogram:
