@@ -9,7 +9,9 @@ import aiohttp
 import pytest
 
 from balancer.admission import Admission
+from balancer.config import ReplicaSettings
 from balancer.errors import ClientError
+from balancer.fleet import Fleet
 from loadtest.stub_replica import make_stub_app
 from tests.conftest import make_settings, run_balancer, serve_app
 from tests.upstreams import Seen, hanging_app
@@ -101,3 +103,12 @@ async def test_requests_wait_for_a_replica_slot_instead_of_failing() -> None:
 
             statuses = await asyncio.gather(*(one() for _ in range(5)))
         assert statuses == [200] * 5  # one at a time on the replica, none refused
+
+
+async def test_requests_that_gave_up_waiting_for_a_capped_replica_leave_no_trace() -> None:
+    fleet = Fleet([ReplicaSettings(url="http://127.0.0.1:9", max_concurrency=1)])
+    for _ in range(100):
+        with pytest.raises(TimeoutError):
+            await fleet.wait_for_room(0.001)
+    # Nothing finished meanwhile, yet the waiters that timed out are gone already.
+    assert fleet._room_waiters == []
