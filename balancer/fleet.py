@@ -196,12 +196,12 @@ class Fleet:
         finally:
             if not waiter.done():
                 waiter.cancel()
-                # Gone now, not when some request finishes: waiters that time out while
-                # nothing finishes must not pile up.
-                try:
-                    self._room_waiters.remove(waiter)
-                except ValueError:
-                    pass
+            # Gone now, not when some request finishes: waiters that time out while nothing
+            # finishes must not pile up. (One that was woken has left the list already.)
+            try:
+                self._room_waiters.remove(waiter)
+            except ValueError:
+                pass
 
     def model_label(self, model: str, now: float) -> str:
         """`model` as a metric label: itself when a replica lists or declares it, else
