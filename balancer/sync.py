@@ -197,12 +197,14 @@ class StateSync:
         failures = 0
         while True:
             try:
-                await step()
+                reached = await step()
             except (RedisError, OSError, TimeoutError) as exc:
                 self._failed(exc)
                 failures += 1
                 await asyncio.sleep(RETRY_S[min(failures, len(RETRY_S)) - 1])
                 continue
+            if reached is False:
+                continue  # asked Redis nothing: says nothing of whether it is back
             if failures or not self.stats.connected:
                 self._recovered()
             failures = 0
@@ -254,12 +256,13 @@ class StateSync:
         self.stats.published += len(batch)
         self._published_load = load
 
-    async def _consume_once(self) -> None:
-        """Each instance writes its own stream, so none reads back what it wrote itself."""
+    async def _consume_once(self) -> bool | None:
+        """Each instance writes its own stream, so none reads back what it wrote itself.
+        False when there was nothing to ask Redis."""
         block_ms = int(max(self.settings.timeout_s, 0.1) * 1000)
         if not self._last_ids:
             await asyncio.sleep(self.settings.load_interval_s)  # no peer known yet
-            return
+            return False
         answer = await self.reader.xread(self._last_ids, count=READ_BATCH, block=block_ms)
         for stream, entries in answer or ():
             key = stream.decode()
