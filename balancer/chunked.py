@@ -34,17 +34,24 @@ class ChunkedDecoder:
         self.max_trailer_bytes = max_trailer_bytes
         self.done = False
 
-    def feed(self, data: bytes) -> tuple[list[bytes], bytes]:
-        """Decode `data`; returns the body pieces it completed and, once the body has ended
-        (`done`), the bytes after it."""
+    def whole_chunk(self, data: bytes) -> bytes | None:
+        """The usual read of a stream, exactly one whole chunk from size line to CRLF: its
+        data, with no list or tuple to build. None: anything else, for `feed`."""
         if self._state == "size" and not self._pending:
-            # The usual read of a stream: exactly one whole chunk, size line to CRLF.
             match = _SIZE_LINE.match(data)
             if match is not None:
                 start = match.end()
                 stop = start + int(match.group(1), 16)
                 if stop > start and len(data) == stop + 2 and data.endswith(b"\r\n"):
-                    return [data[start:stop]], b""
+                    return data[start:stop]
+        return None
+
+    def feed(self, data: bytes) -> tuple[list[bytes], bytes]:
+        """Decode `data`; returns the body pieces it completed and, once the body has ended
+        (`done`), the bytes after it."""
+        piece = self.whole_chunk(data)
+        if piece is not None:
+            return [piece], b""
         buf = self._pending + data if self._pending else data
         self._pending = b""
         pos, end_of_buf = 0, len(buf)

@@ -515,7 +515,7 @@ class _Connection(asyncio.Protocol):
             self._keep_alive = False
         self.response_started = False
         self.write_response(request, status, headers, body)
-        if expects_body:
+        if not self._keep_alive:
             self.transport.close()
             self.closed = True
             self._drop_input()

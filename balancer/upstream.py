@@ -463,6 +463,14 @@ class _Connection(asyncio.Protocol):
     def _parse_chunked(self, data: bytes) -> None:
         response = self._response
         assert response is not None and self._chunked is not None
+        piece = self._chunked.whole_chunk(data)
+        if piece is not None:
+            sink = response._sink
+            if sink is not None:
+                sink(piece)  # piped: straight on
+            else:
+                response._feed(piece)
+            return
         try:
             pieces, rest = self._chunked.feed(data)
         except ChunkedError as exc:
