@@ -171,6 +171,12 @@ class Timeouts:
     # How long a write to a client may wait for the client to read. A client that stops
     # reading ends its own answer; it is never counted against the replica.
     client_write_s: float = _checked(30.0, _positive)
+    # Reading a client's request: its head, then its body, each from its first byte; more
+    # bytes do not extend them, so a client that drips cannot hold a connection (408).
+    client_head_s: float = _checked(30.0, _positive)
+    client_body_s: float = _checked(60.0, _positive)
+    # An idle kept-alive client connection closes after this.
+    client_idle_s: float = _checked(75.0, _positive)
     drain_s: float = _checked(30.0, _positive)  # on SIGTERM: how long requests in flight may finish
 
 

@@ -1,8 +1,9 @@
 """Hot reload: apply a new, already validated configuration without dropping requests.
 
 What changes live: the replicas the file lists (added, removed, or replaced when their settings
-changed; requests in flight finish on the replica they started on), the policy, timeouts,
-retries, admission limits, health checks, model discovery, headers and logging. What is
+changed; requests in flight finish on the replica they started on), the policy, timeouts
+(the client connections' too), retries, admission, connection and buffer limits, health
+checks, model discovery, headers and logging. What is
 bound at start (the listen address, body and header size limits, routing and its index, DNS
 replica sets, API keys, the admin API) keeps its old value and is reported as needing a
 restart, so an operator is never surprised by a setting that silently did not take.
@@ -22,8 +23,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvlb.reload")
 LIVE_SECTIONS = ("replicas", "policy", "timeouts", "retries", "health", "models", "headers", "logging")
-# Within `limits`, what admission control reads per request; the size limits are the server's.
-LIVE_LIMITS = ("max_in_flight", "max_queued", "queue_timeout_s")
+# Within `limits`, what admission control and the client-facing server read per request or
+# connection; the size limits are bound at start.
+LIVE_LIMITS = ("max_in_flight", "max_queued", "queue_timeout_s", "max_connections", "max_buffered_bytes")
 
 
 def reload_file(balancer: Balancer, path: str) -> dict[str, Any]:

@@ -146,6 +146,12 @@ class Balancer:
         self.draining = False
         self.access_log = settings.logging.access_log
         self._request_seq = 0
+        # Shared with the HTTP servers and every connection, so a reload reaches them all.
+        self.server_limits = ServerLimits(
+            max_header_bytes=settings.limits.max_header_bytes,
+            max_body_bytes=settings.limits.max_body_bytes,
+        )
+        _set_client_limits(self.server_limits, settings)
 
     @property
     def in_flight(self) -> int:
@@ -203,6 +209,7 @@ class Balancer:
     def apply_live(self, settings: Settings) -> None:
         """Take the sections that can change while serving (see balancer/reload.py)."""
         self.settings = settings
+        _set_client_limits(self.server_limits, settings)
         self.proxy.configure(settings)
         limits = settings.limits
         self.admission.max_in_flight = limits.max_in_flight
@@ -471,6 +478,17 @@ class Balancer:
         request.respond(200, [("Content-Type", METRICS_CONTENT_TYPE)], self.metrics.render())
 
 
+def _set_client_limits(limits: ServerLimits, settings: Settings) -> None:
+    """What the client-facing servers take from the live sections (timeouts, limits)."""
+    timeouts = settings.timeouts
+    limits.header_timeout_s = timeouts.client_head_s
+    limits.body_timeout_s = timeouts.client_body_s
+    limits.keepalive_timeout_s = timeouts.client_idle_s
+    limits.write_timeout_s = timeouts.client_write_s
+    limits.max_connections = settings.limits.max_connections
+    limits.max_buffered_bytes = settings.limits.max_buffered_bytes
+
+
 def log_access(
     request: Request, route: str, request_id: str, outcome: Outcome, elapsed: float, ttft: float | None
 ) -> None:
@@ -556,14 +574,7 @@ async def start_balancer(
 ) -> RunningBalancer:
     """Start serving on the configured address (or `port`); returns once it accepts."""
     balancer = Balancer(settings, policy, resolver)
-    limits = ServerLimits(
-        max_header_bytes=settings.limits.max_header_bytes,
-        max_body_bytes=settings.limits.max_body_bytes,
-        body_timeout_s=settings.timeouts.first_byte_s,
-        max_connections=settings.limits.max_connections,
-        max_buffered_bytes=settings.limits.max_buffered_bytes,
-        write_timeout_s=settings.timeouts.client_write_s,
-    )
+    limits = balancer.server_limits
     error_answer = make_error_answer(settings.headers.request_id)
     server = HttpServer(balancer.handle, error_answer, limits, admit=balancer.admit_head,
                         tcp_nodelay=settings.listen.tcp_nodelay)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import AsyncExitStack
 
 import aiohttp
@@ -118,3 +119,31 @@ async def test_admin_api_on_its_own_address_only(monkeypatch: pytest.MonkeyPatch
                     assert resp.status == 404  # and the admin port proxies nothing
         finally:
             await running.close(grace_s=0.5)
+
+
+async def test_a_reload_reaches_the_client_connections_limits(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("KVLB_ADMIN_TOKEN", TOKEN)
+    async with AsyncExitStack() as stack:
+        a = await stack.enter_async_context(serve_app(make_stub_app("a")))
+        settings = make_settings([{"url": a, "name": "a"}], admin={"token_env": "KVLB_ADMIN_TOKEN"})
+        running = await stack.enter_async_context(run_balancer(settings))
+        config = tmp_path / "kvlb.yaml"
+        running.balancer.config_path = str(config)
+        config.write_text(f"replicas: [{{url: '{a}', name: a}}]\nadmin: {{token_env: KVLB_ADMIN_TOKEN}}\n"
+                          "timeouts: {client_head_s: 0.3}\nlimits: {max_connections: 3}\n")
+        async with aiohttp.ClientSession() as http:
+            async with http.post(running.url + "/admin/reload", headers=ADMIN) as resp:
+                result = await resp.json()
+                assert resp.status == 200 and result["restart_needed"] == [], result
+        port = int(running.url.rsplit(":", 1)[1])
+        # A head that never ends now gets its 408 within the reloaded 0.3 s, not 30 s.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        answer = await asyncio.wait_for(reader.read(), 3)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 408 ")
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        assert (await asyncio.wait_for(reader.read(), 3)).startswith(b"HTTP/1.1 503 ")
+        for _, w in [*held, (reader, writer)]:
+            w.close()
