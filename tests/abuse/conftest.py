@@ -7,8 +7,17 @@ from typing import Any
 import pytest
 
 from loadtest.replica.launch import ReplicaProcess
-from tests.abuse.harness import SIM_ARGS, Handler, Kvlb, RawUpstream, sim_replicas, start_kvlb
+from tests.abuse.harness import (
+    SIM_ARGS,
+    Kvlb,
+    sim_replicas,
+    start_kvlb,
+)
 from tests.abuse.slowloris import Slowloris
+from tests.abuse.upstreams import (
+    Handler,
+    RawUpstream,
+)
 
 
 @pytest.fixture(scope="session")

@@ -19,20 +19,22 @@ from tests.abuse.harness import (
     GoodClient,
     Kvlb,
     RawConn,
-    RawUpstream,
-    UpstreamRequest,
     bearer,
     chat_body,
-    chat_handler,
-    error_json,
-    hang,
     replica,
-    response_bytes,
     scrape,
     sim_replicas,
     start_kvlb,
-    status_handler,
     under_attack,
+)
+from tests.abuse.upstreams import (
+    RawUpstream,
+    UpstreamRequest,
+    chat_handler,
+    error_json,
+    hang,
+    response_bytes,
+    status_handler,
 )
 
 HEALTH = {

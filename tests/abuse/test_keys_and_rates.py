@@ -17,10 +17,8 @@ from tests.abuse.harness import (
     Kvlb,
     MiB,
     RawConn,
-    UpstreamRequest,
     bearer,
     chat_body,
-    chat_handler,
     get,
     post,
     replica,
@@ -29,6 +27,10 @@ from tests.abuse.harness import (
     start_kvlb,
     under_attack,
     wait_until,
+)
+from tests.abuse.upstreams import (
+    UpstreamRequest,
+    chat_handler,
 )
 
 GOOD_KEY, ATTACKER_KEY, MODELS_KEY = "good-key", "attacker-key", "models-key"

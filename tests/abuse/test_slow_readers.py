@@ -11,7 +11,6 @@ from tests.abuse.harness import (
     GoodClient,
     RawConn,
     chat_body,
-    chat_handler,
     connected_socket,
     replica,
     request_bytes,
@@ -20,6 +19,9 @@ from tests.abuse.harness import (
     sim_replicas,
     under_attack,
     wait_until,
+)
+from tests.abuse.upstreams import (
+    chat_handler,
 )
 
 

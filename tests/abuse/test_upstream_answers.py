@@ -14,16 +14,18 @@ from tests.abuse.harness import (
     JSON,
     GoodClient,
     Kvlb,
-    RawUpstream,
-    UpstreamRequest,
     chat_body,
-    completion,
     post,
     replica,
     scrape,
     sim_replicas,
     start_kvlb,
     under_attack,
+)
+from tests.abuse.upstreams import (
+    RawUpstream,
+    UpstreamRequest,
+    completion,
 )
 
 EJECT_AFTER = 3
