@@ -444,8 +444,11 @@ class _Connection(asyncio.Protocol):
             self._body_mode = "chunked"
             self._chunked = ChunkedDecoder()
         elif codings is not None:
-            # A final coding other than chunked has no end of its own: read until close.
-            self._body_mode, self._keep_alive = "close", False
+            # Another final coding (gzip, say) would have to be relayed under a
+            # Transfer-Encoding the client never asked for (TE), or decoded: no engine sends
+            # one, so it is an answer kvlb cannot pass on.
+            raise UpstreamError(f"transfer coding {codings[-1][:40]!r} is not chunked; "
+                                "kvlb relays chunked or Content-Length bodies only")
         elif content_length is not None:
             self._body_mode, self._remaining = "length", content_length
         else:
