@@ -420,7 +420,7 @@ class _Connection(asyncio.Protocol):
                     codings = []
                 codings += [c for part in value.lower().split(",") if (c := part.strip(" \t"))]
             elif lower == "connection":
-                tokens = value.lower()
+                tokens = {t.strip(" \t") for t in value.lower().split(",")}
                 if "close" in tokens:
                     keep_alive = False
                 elif "keep-alive" in tokens:

@@ -315,3 +315,13 @@ async def test_forget_closes_a_busy_connection_when_its_request_ends() -> None:
         await asyncio.wait_for(stats["eof"].wait(), 1.0)
         assert url not in pool._pools
         pool.close()
+
+
+async def test_connection_options_are_tokens_not_substrings() -> None:
+    answer = b"HTTP/1.1 200 OK\r\nConnection: x-no-close\r\nContent-Length: 2\r\n\r\nok"
+    async with crafted_server(lambda n: [answer]) as (url, stats):
+        pool = UpstreamPool(connect_timeout_s=2)
+        for _ in range(2):
+            assert (await fetch(pool, url))[:2] == (200, b"ok")
+        assert stats["connections"] == 1  # kept alive: "x-no-close" is not "close"
+        pool.close()
