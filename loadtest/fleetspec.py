@@ -6,7 +6,7 @@ Either N identical replicas (`--replicas N --profile P`) or a YAML file of group
     round_trip_ms: {eu-west: 80}     # from there to each other region; same region: 0
     groups:
       - count: 50                    # replicas in this group (required, >= 1)
-        profile: llama-3.1-8b-h100   # timing profile (calibration.md); default: the top-level `profile`
+        profile: llama-3.1-8b-h100   # timing profile (loadtest/replica/profiles.py); default: the top-level `profile`
         region: us-east              # labels, as a kvlb replica's `labels`
         zone: us-east-1a
         tier: committed              # committed | overflow (cache_aware fills committed first)

@@ -2,7 +2,7 @@
 
 Every eligible replica gets a cost in *prefill-token equivalents* (one unit = the time one
 GPU replica of weight 1.0 takes to prefill one uncached prompt token, about 23 µs for
-llama-3.1-8b on an H100 at 43 tokens/ms, see ``calibration.md``)::
+llama-3.1-8b on an H100 at 43 tokens/ms, see ``loadtest/replica/profiles.py``)::
 
     cost = uncached + queued + decode + locality
 
@@ -75,7 +75,7 @@ def _number(name: str, value: Any, unit: str, *, positive: bool = False) -> floa
 class CacheAwarePolicy(Policy):
     """Lowest estimated time to first token first, counted in prefill-token equivalents.
 
-    Parameters (defaults from the llama-3.1-8b / H100 / TP1 row of calibration.md):
+    Parameters (defaults from the llama-3.1-8b / H100 / TP1 profile in loadtest/replica/profiles.py):
 
     prefill_weight (cost tokens per uncached prompt token, > 0; default 1.0)
         The unit of the cost: one token this request must prefill on that replica.

@@ -1,4 +1,4 @@
-"""The engine in virtual time against calibration.md's spot values and scheduling rules."""
+"""The engine in virtual time against the calibrated profile's spot values and scheduling rules."""
 
 import pytest
 
