@@ -4,7 +4,7 @@ are split on the wire, and keeps connections alive only when that is safe."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import pytest
@@ -16,10 +16,40 @@ from tests.conftest import TEST_PORT_RANGE
 assert TEST_PORT_RANGE
 
 
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@asynccontextmanager
+async def serving(handle: Handler) -> AsyncIterator[str]:
+    """A server on 127.0.0.1 whose handlers all end before it goes: one still waiting when the
+    test's loop closes would be cancelled, which Python 3.11 logs as an error."""
+    tasks: set[asyncio.Task] = set()
+    writers: set[asyncio.StreamWriter] = set()
+
+    async def tracked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        tasks.add(asyncio.current_task())  # type: ignore[arg-type]
+        writers.add(writer)
+        try:
+            await handle(reader, writer)
+        finally:
+            writer.close()
+
+    port = free_port()
+    server = await asyncio.start_server(tracked, "127.0.0.1", port)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+        for writer in writers:
+            writer.close()  # the handler's next read sees the end and returns
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 2.0)
+        await server.wait_closed()
+
+
 @asynccontextmanager
 async def raw_server(answer: Callable[[int], list[bytes]], *, close_after: bool = False,
                      gap_s: float = 0.0) -> AsyncIterator[tuple[str, dict]]:
-    """A server that reads one request at a time and writes `answer(n)` piece by piece."""
+    """Reads one request at a time and writes `answer(n)` piece by piece, `gap_s` apart."""
     stats = {"connections": 0, "requests": 0}
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -27,11 +57,7 @@ async def raw_server(answer: Callable[[int], list[bytes]], *, close_after: bool 
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":")[1])
-                await reader.readexactly(length)
+                await reader.readexactly(request_length(head))
                 stats["requests"] += 1
                 for piece in answer(stats["requests"]):
                     writer.write(piece)
@@ -39,19 +65,19 @@ async def raw_server(answer: Callable[[int], list[bytes]], *, close_after: bool 
                     if gap_s:
                         await asyncio.sleep(gap_s)
                 if close_after:
-                    break
+                    return
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
-        finally:
-            writer.close()
 
-    port = free_port()
-    server = await asyncio.start_server(handle, "127.0.0.1", port)
-    try:
-        yield f"http://127.0.0.1:{port}", stats
-    finally:
-        server.close()
-        await server.wait_closed()
+    async with serving(handle) as url:
+        yield url, stats
+
+
+def request_length(head: bytes) -> int:
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":")[1])
+    return 0
 
 
 def split_every(data: bytes, n: int) -> list[bytes]:

@@ -5,81 +5,17 @@ broken or hostile replica inject header lines or split one answer into two."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 
 from balancer.upstream import MAX_HEAD_BYTES, MAX_INTERIM_RESPONSES, UpstreamError, UpstreamPool
-from loadtest.procs import free_port
-from tests.test_upstream_client import fetch
+from tests.test_upstream_client import fetch, raw_server, request_length, serving
 
 GOOD = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-@asynccontextmanager
-async def serving(handle: Handler) -> AsyncIterator[str]:
-    """A server on 127.0.0.1 whose handlers all end before it goes: one still waiting when the
-    test's loop closes would be cancelled, which Python 3.11 logs as an error."""
-    tasks: set[asyncio.Task] = set()
-    writers: set[asyncio.StreamWriter] = set()
-
-    async def tracked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        tasks.add(asyncio.current_task())  # type: ignore[arg-type]
-        writers.add(writer)
-        try:
-            await handle(reader, writer)
-        finally:
-            writer.close()
-
-    port = free_port()
-    server = await asyncio.start_server(tracked, "127.0.0.1", port)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.close()
-        for writer in writers:
-            writer.close()  # the handler's next read sees the end and returns
-        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 2.0)
-        await server.wait_closed()
-
-
-@asynccontextmanager
-async def crafted_server(answer: Callable[[int], list[bytes]], *, close_after: bool = False,
-                         gap_s: float = 0.0) -> AsyncIterator[tuple[str, dict]]:
-    """Reads one request at a time and writes `answer(n)` piece by piece, `gap_s` apart."""
-    stats = {"connections": 0, "requests": 0}
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        stats["connections"] += 1
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                await reader.readexactly(_request_length(head))
-                stats["requests"] += 1
-                for piece in answer(stats["requests"]):
-                    writer.write(piece)
-                    await writer.drain()
-                    if gap_s:
-                        await asyncio.sleep(gap_s)
-                if close_after:
-                    return
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-
-    async with serving(handle) as url:
-        yield url, stats
-
-
-def _request_length(head: bytes) -> int:
-    for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            return int(line.split(b":")[1])
-    return 0
 
 
 @asynccontextmanager
@@ -98,7 +34,7 @@ async def catching(errors: list[dict[str, Any]]) -> AsyncIterator[None]:
 async def bad_then_good(bad: bytes) -> None:
     """`bad` is refused, and the next request goes on a fresh connection, not the one that
     carried the bad answer."""
-    async with crafted_server(lambda n: [bad] if n == 1 else [GOOD]) as (url, stats):
+    async with raw_server(lambda n: [bad] if n == 1 else [GOOD]) as (url, stats):
         pool = UpstreamPool(connect_timeout_s=2)
         with pytest.raises(UpstreamError):
             await fetch(pool, url)
@@ -141,7 +77,7 @@ async def test_valid_edges_of_the_grammar_pass() -> None:
     # a Content-Length may be a list of one repeated value (RFC 9110 §8.6).
     heads = [b"HTTP/1.1 200\r\n", b"HTTP/1.1 599 \r\n", b"HTTP/1.1 200 O\tk \xe9\r\n"]
     answers = [head + b"X-A: \xe9 \t v\t\r\nContent-Length: 2, 2\r\n\r\nok" for head in heads]
-    async with crafted_server(lambda n: [answers[(n - 1) % 3]]) as (url, stats):
+    async with raw_server(lambda n: [answers[(n - 1) % 3]]) as (url, stats):
         pool = UpstreamPool(connect_timeout_s=2)
         got = [await fetch(pool, url) for _ in heads]
         assert [(s, b) for s, b, _ in got] == [(200, b"ok"), (599, b"ok"), (200, b"ok")]
@@ -153,7 +89,7 @@ async def test_valid_edges_of_the_grammar_pass() -> None:
 async def test_lf_only_head_fails_at_once() -> None:
     # Not at the first-byte timeout: no CRLF CRLF is ever coming.
     lf_only = b"HTTP/1.1 200 OK\nContent-Length: 2\n\nok"
-    async with crafted_server(lambda n: [lf_only]) as (url, _):
+    async with raw_server(lambda n: [lf_only]) as (url, _):
         pool = UpstreamPool(connect_timeout_s=2)
         with pytest.raises(UpstreamError, match="bare LF"):
             await asyncio.wait_for(fetch(pool, url), 1.0)
@@ -165,7 +101,7 @@ async def test_head_over_the_limit_is_refused_even_when_it_arrives_whole() -> No
     small = b"HTTP/1.1 200 OK\r\n" + filler * 60 + b"Content-Length: 2\r\n\r\nok"
     big = b"HTTP/1.1 200 OK\r\n" + filler * 100 + b"Content-Length: 2\r\n\r\nok"
     assert len(small) < MAX_HEAD_BYTES < len(big)
-    async with crafted_server(lambda n: [small] if n == 1 else [big]) as (url, _):
+    async with raw_server(lambda n: [small] if n == 1 else [big]) as (url, _):
         pool = UpstreamPool(connect_timeout_s=2)
         assert (await fetch(pool, url))[:2] == (200, b"ok")
         with pytest.raises(UpstreamError, match="head over"):
@@ -183,7 +119,7 @@ async def test_interim_heads_count_toward_the_head_limit() -> None:
 async def test_interim_responses_are_capped() -> None:
     ok = CONTINUE * MAX_INTERIM_RESPONSES + GOOD
     too_many = CONTINUE * (MAX_INTERIM_RESPONSES + 1) + GOOD
-    async with crafted_server(lambda n: [ok] if n == 1 else [too_many]) as (url, _):
+    async with raw_server(lambda n: [ok] if n == 1 else [too_many]) as (url, _):
         pool = UpstreamPool(connect_timeout_s=2)
         assert (await fetch(pool, url))[:2] == (200, b"ok")
         with pytest.raises(UpstreamError, match="interim"):
@@ -193,7 +129,7 @@ async def test_interim_responses_are_capped() -> None:
 
 async def test_thousands_of_interim_responses_in_one_read_fail_cleanly() -> None:
     errors: list[dict[str, Any]] = []
-    async with catching(errors), crafted_server(lambda n: [CONTINUE * 5000 + GOOD]) as (url, _):
+    async with catching(errors), raw_server(lambda n: [CONTINUE * 5000 + GOOD]) as (url, _):
         pool = UpstreamPool(connect_timeout_s=2)
         with pytest.raises(UpstreamError, match="interim"):
             await fetch(pool, url)
@@ -210,7 +146,7 @@ async def test_switching_protocols_unasked_is_refused() -> None:
 async def test_transfer_encoding_with_content_length_is_read_chunked_then_closed() -> None:
     answer = (b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n"
               b"5\r\nhello\r\n0\r\n\r\n")
-    async with crafted_server(lambda n: [answer]) as (url, stats):
+    async with raw_server(lambda n: [answer]) as (url, stats):
         pool = UpstreamPool(connect_timeout_s=2)
         for _ in range(2):
             resp = await pool.request(url, "GET", "/", [], b"", 5.0)
@@ -236,7 +172,7 @@ async def test_chunked_twice_is_refused() -> None:
 async def test_no_body_status_ignores_transfer_encoding() -> None:
     # RFC 9112 §6.3: a 204 ends at its head, whatever the framing headers claim.
     answer = b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\n\r\n"
-    async with crafted_server(lambda n: [answer]) as (url, _):
+    async with raw_server(lambda n: [answer]) as (url, _):
         pool = UpstreamPool(connect_timeout_s=2)
         status, body, _ = await asyncio.wait_for(fetch(pool, url), 2.0)
         assert (status, body) == (204, b"")
@@ -249,7 +185,7 @@ async def test_conflicting_content_lengths_are_refused() -> None:
 
 async def test_unsolicited_bytes_on_an_idle_connection_drop_it_quietly() -> None:
     errors: list[dict[str, Any]] = []
-    async with catching(errors), crafted_server(lambda n: [GOOD, b"HTTP/1.1 200 OK\r\n"],
+    async with catching(errors), raw_server(lambda n: [GOOD, b"HTTP/1.1 200 OK\r\n"],
                                             gap_s=0.05) as (url, stats):
         pool = UpstreamPool(connect_timeout_s=2)
         assert (await fetch(pool, url))[:2] == (200, b"ok")
@@ -271,7 +207,7 @@ async def hold_server(release: asyncio.Event) -> AsyncIterator[tuple[str, dict]]
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                await reader.readexactly(_request_length(head))
+                await reader.readexactly(request_length(head))
                 if head.startswith(b"GET /hold "):
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nab")
                     await release.wait()
@@ -319,7 +255,7 @@ async def test_forget_closes_a_busy_connection_when_its_request_ends() -> None:
 
 async def test_connection_options_are_tokens_not_substrings() -> None:
     answer = b"HTTP/1.1 200 OK\r\nConnection: x-no-close\r\nContent-Length: 2\r\n\r\nok"
-    async with crafted_server(lambda n: [answer]) as (url, stats):
+    async with raw_server(lambda n: [answer]) as (url, stats):
         pool = UpstreamPool(connect_timeout_s=2)
         for _ in range(2):
             assert (await fetch(pool, url))[:2] == (200, b"ok")
