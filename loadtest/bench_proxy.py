@@ -33,6 +33,24 @@ MODELS_RESPONSE = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConten
                    + str(len(MODELS)).encode() + b"\r\n\r\n" + MODELS)
 
 
+def next_request(buffer: bytes) -> tuple[bytes, bytes, bytes] | None:
+    """(lower-cased head, body, the rest) of the first whole request in `buffer`, or None
+    while it is incomplete: just enough HTTP for the benchmarks' upstreams."""
+    head_end = buffer.find(b"\r\n\r\n")
+    if head_end < 0:
+        return None
+    head = buffer[:head_end].lower()
+    length = 0
+    at = head.find(b"content-length:")
+    if at >= 0:
+        eol = head.find(b"\r\n", at)
+        length = int(head[at + 15:eol if eol > 0 else None])
+    end = head_end + 4 + length
+    if len(buffer) < end:
+        return None
+    return head, buffer[head_end + 4:end], buffer[end:]
+
+
 class InstantUpstream(asyncio.Protocol):
     """Keep-alive HTTP/1.1 that answers any request with one fixed body, as fast as it can."""
 
@@ -42,19 +60,8 @@ class InstantUpstream(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        while True:
-            head_end = self.buffer.find(b"\r\n\r\n")
-            if head_end < 0:
-                return
-            head = self.buffer[:head_end].lower()
-            length = 0
-            at = head.find(b"content-length:")
-            if at >= 0:
-                length = int(head[at + 15:head.find(b"\r\n", at) if head.find(b"\r\n", at) > 0 else None])
-            end = head_end + 4 + length
-            if len(self.buffer) < end:
-                return
-            self.buffer = self.buffer[end:]
+        while (request := next_request(self.buffer)) is not None:
+            head, _, self.buffer = request
             self.transport.write(MODELS_RESPONSE if b"/v1/models" in head[:64] else RESPONSE)
 
 

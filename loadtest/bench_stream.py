@@ -39,7 +39,7 @@ import orjson
 import yaml
 
 from balancer.chunked import ChunkedDecoder
-from loadtest.bench_proxy import MODELS_RESPONSE, RESPONSE
+from loadtest.bench_proxy import MODELS_RESPONSE, RESPONSE, next_request
 from loadtest.bench_proxy import pct as _pct
 from loadtest.procs import (
     CLOCK_TICKS,
@@ -106,20 +106,8 @@ class StreamingUpstream(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buffer += data
         # A request sent while a stream is running waits for the stream's end.
-        while not self.streaming:
-            head_end = self.buffer.find(b"\r\n\r\n")
-            if head_end < 0:
-                return
-            head = self.buffer[:head_end].lower()
-            length = 0
-            at = head.find(b"content-length:")
-            if at >= 0:
-                eol = head.find(b"\r\n", at)
-                length = int(head[at + 15:eol if eol > 0 else None])
-            end = head_end + 4 + length
-            if len(self.buffer) < end:
-                return
-            body, self.buffer = self.buffer[head_end + 4:end], self.buffer[end:]
+        while not self.streaming and (request := next_request(self.buffer)) is not None:
+            head, body, self.buffer = request
             line = head[:head.find(b"\r\n")] if b"\r\n" in head else head
             if line.startswith(b"post") and b"/chat/completions" in line:
                 request = orjson.loads(body)

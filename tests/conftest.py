@@ -12,6 +12,7 @@ from aiohttp import web
 from balancer.config import Settings, parse_settings
 from balancer.server import Balancer, start_balancer
 from loadtest.stub_replica import make_stub_app
+from tests.redis_server import RedisServer
 
 # Test servers stay below 32768: ports above are the kernel's ephemeral range, where an
 # outgoing connection may already hold the port.
@@ -88,6 +89,19 @@ class TestBalancer:
     def __init__(self, url: str, balancer: Balancer) -> None:
         self.url = url
         self.balancer = balancer
+
+
+@pytest.fixture
+def redis_server():
+    """A Redis of the test's own (tests/redis_server.py), stopped after it."""
+    try:
+        server = RedisServer().start()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

@@ -19,21 +19,8 @@ from loadtest.spread import run_spread
 from loadtest.summary import summarize
 from loadtest.workloads import load_workload
 from tests.conftest import make_settings, run_balancer
-from tests.redis_server import RedisServer
 
 MODEL = "sim-model"
-
-
-@pytest.fixture
-def redis_server():
-    try:
-        server = RedisServer().start()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @contextlib.asynccontextmanager

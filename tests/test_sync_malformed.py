@@ -9,7 +9,6 @@ from array import array
 import aiohttp
 import msgpack
 import orjson
-import pytest
 import redis.asyncio as aioredis
 
 from loadtest.stub_replica import make_stub_app
@@ -22,18 +21,6 @@ PEER = "fake-peer"
 PROMPT = "a document the peer routed " * 40
 POISON = "a document only a garbled entry names " * 40
 H = b"\1" * 8  # one hash's worth of bytes
-
-
-@pytest.fixture
-def redis_server():
-    try:
-        server = RedisServer().start()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def snapshot(load: dict[str, list[int]]) -> bytes:
