@@ -34,8 +34,9 @@ def error_body(status: int, message: str, code: str, _request: Request | None):
 
 
 @asynccontextmanager
-async def server(admit=None, handler=echo_handler, **limits) -> AsyncIterator[tuple[int, HttpServer]]:
-    srv = HttpServer(handler, error_body, ServerLimits(**limits), admit=admit)
+async def server(admit=None, handler=echo_handler, tcp_nodelay=True,
+                 **limits) -> AsyncIterator[tuple[int, HttpServer]]:
+    srv = HttpServer(handler, error_body, ServerLimits(**limits), admit=admit, tcp_nodelay=tcp_nodelay)
     for _ in range(50):
         try:
             port = await srv.listen("127.0.0.1", random.randrange(*TEST_PORT_RANGE))
@@ -281,14 +282,7 @@ async def test_an_answer_the_client_never_reads_is_let_go_after_the_write_timeou
 
 async def test_nagle_stays_off_towards_clients_unless_asked_for() -> None:
     for nodelay in (True, False):
-        srv = HttpServer(echo_handler, error_body, ServerLimits(), tcp_nodelay=nodelay)
-        for _ in range(50):
-            try:
-                port = await srv.listen("127.0.0.1", random.randrange(*TEST_PORT_RANGE))
-                break
-            except OSError:
-                continue
-        try:
+        async with server(tcp_nodelay=nodelay) as (port, srv):
             _, writer = await asyncio.open_connection("127.0.0.1", port)
             while not srv.connections:
                 await asyncio.sleep(0.01)
@@ -296,5 +290,3 @@ async def test_nagle_stays_off_towards_clients_unless_asked_for() -> None:
             sock = conn.transport.get_extra_info("socket")
             assert bool(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)) is nodelay
             writer.close()
-        finally:
-            await srv.close(grace_s=0.5)
