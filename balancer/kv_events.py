@@ -40,6 +40,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from balancer.index import PrefixIndex
+from balancer.logs import ThrottledWarnings
 from balancer.prefix import token_block_hashes
 
 log = logging.getLogger("kvlb.kv_events")
@@ -391,8 +392,7 @@ class KvEventSubscriber:
         self._clock = clock
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._context: Any = None
-        self._warned_at: dict[str, float] = {}  # per replica, monotonic
-        self._unwarned: dict[str, int] = {}  # per replica, messages logged at debug since
+        self._warnings = ThrottledWarnings(log, WARN_EVERY_S)
 
     def _zmq(self) -> Any:
         import zmq.asyncio
@@ -412,8 +412,7 @@ class KvEventSubscriber:
             task.cancel()
         self.events.forget(replica)
         self.events.stats.connected.discard(replica)
-        self._warned_at.pop(replica, None)
-        self._unwarned.pop(replica, None)
+        self._warnings.forget(replica)
 
     async def close(self) -> None:
         tasks = list(self._tasks.values())
@@ -488,13 +487,4 @@ class KvEventSubscriber:
                                exc_info=True)
 
     def _complain(self, replica: str, message: str, *args: Any, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        last = self._warned_at.get(replica)
-        if last is not None and now - last < WARN_EVERY_S:
-            self._unwarned[replica] = self._unwarned.get(replica, 0) + 1
-            log.debug("replica %s: " + message, replica, *args, exc_info=exc_info)
-            return
-        self._warned_at[replica] = now
-        quiet = self._unwarned.pop(replica, 0)
-        more = f" ({quiet} more since the last warning)" if quiet else ""
-        log.warning("replica %s: " + message + more, replica, *args, exc_info=exc_info)
+        self._warnings.warn(replica, "replica %s: " + message, replica, *args, exc_info=exc_info)

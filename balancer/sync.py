@@ -48,6 +48,7 @@ from redis.exceptions import RedisError
 
 from balancer.config import SyncSettings
 from balancer.fleet import Fleet
+from balancer.logs import ThrottledWarnings
 from balancer.routing import CacheTracker
 
 log = logging.getLogger("kvlb.sync")
@@ -151,8 +152,8 @@ class StateSync:
         self._published_load: dict[str, tuple[int, int, int]] | None = None
         self._peers_seen_at = 0.0
         self._down_since: float | None = None
-        self._warned_at: dict[str, float] = {}  # per peer, monotonic
-        self._unwarned: dict[str, int] = {}  # per peer, logged at debug since the last warning
+        # Peer names come from what others wrote: bounded like the departed ones.
+        self._warnings = ThrottledWarnings(log, WARN_EVERY_S, MAX_DEPARTED)
         if tracker is not None:
             tracker.on_record = self.routed
 
@@ -306,21 +307,7 @@ class StateSync:
 
     def _malformed(self, peer: str, message: str, *args: Any, exc_info: bool = False) -> None:
         self.stats.malformed += 1
-        now = time.monotonic()
-        last = self._warned_at.get(peer)
-        if last is not None and now - last < WARN_EVERY_S:
-            self._unwarned[peer] = self._unwarned.get(peer, 0) + 1
-            log.debug("peer %s: " + message, peer, *args, exc_info=exc_info)
-            return
-        self._warned_at.pop(peer, None)
-        self._warned_at[peer] = now
-        while len(self._warned_at) > MAX_DEPARTED:  # names come from what others wrote
-            oldest = next(iter(self._warned_at))
-            del self._warned_at[oldest]
-            self._unwarned.pop(oldest, None)
-        quiet = self._unwarned.pop(peer, 0)
-        more = f" ({quiet} more since the last warning)" if quiet else ""
-        log.warning("peer %s: " + message + more, peer, *args, exc_info=exc_info)
+        self._warnings.warn(peer, "peer %s: " + message, peer, *args, exc_info=exc_info)
 
     # -- load and membership ---------------------------------------------------------------
 
