@@ -127,7 +127,7 @@ class ResponseStream:
 
     def send(self, data: bytes) -> bool:
         """Queue `data` for the client without waiting; True when the client is not keeping
-        up and the caller should `drain()` before sending more."""
+        up (`watch_flow` says when it has caught up)."""
         conn = self._conn
         if conn.closed:
             raise ConnectionResetError("client went away")
@@ -137,10 +137,6 @@ class ResponseStream:
             else:
                 conn.transport.write(data)
         return conn.write_paused
-
-    async def drain(self) -> None:
-        """Wait until the client has read enough; ClientStalled after `write_timeout_s`."""
-        await self._conn.drain()
 
     def watch_flow(self, listener: Callable[[bool], None] | None) -> None:
         """Call `listener(True)` when the client stops keeping up, `listener(False)` when it
@@ -208,8 +204,6 @@ class HttpServer:
         self.connections: set[_Connection] = set()
         # Body bytes reserved by every connection together (see limits.max_buffered_bytes).
         self.buffered_bytes = 0
-        self.refused_connections = 0
-        self.refused_budget = 0
         self._server: asyncio.Server | None = None
         # Shutting down: answers in progress finish, then their connections close.
         self.closing = False
@@ -289,7 +283,6 @@ class _Connection(asyncio.Protocol):
         self.peer = peer[0] if isinstance(peer, tuple) else ""
         server = self.server
         if len(server.connections) >= self.limits.max_connections:
-            server.refused_connections += 1
             self._refuse(HttpError(503, f"kvlb has limits.max_connections "
                                         f"({self.limits.max_connections}) open; retry shortly",
                                    "too_many_connections", retry_after=1))
@@ -321,7 +314,6 @@ class _Connection(asyncio.Protocol):
     def _reserve_body(self, size: int) -> None:
         server = self.server
         if server.buffered_bytes + size > self.limits.max_buffered_bytes:
-            server.refused_budget += 1
             raise HttpError(503, "kvlb is buffering limits.max_buffered_bytes of request bodies; "
                                  "retry shortly", "buffer_budget_exceeded", retry_after=1)
         server.buffered_bytes += size
