@@ -25,8 +25,8 @@ test-engine: $(STAMP)
 	$(PY) -m pytest -q -s -m engine tests/engine
 
 bench: $(STAMP)
-	$(PY) -m loadtest.bench_proxy
-	$(PY) -m loadtest.bench_stream
+	$(PY) -m loadtest.bench.proxy
+	$(PY) -m loadtest.bench.stream
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

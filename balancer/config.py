@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from balancer.protocol import ALLOWED_REGIONS_HEADER, REGION_HEADER, REQUEST_ID_HEADER
 from policies.registry import POLICIES, make_policy
 
 
@@ -206,12 +207,12 @@ class HealthSettings:
     timeout_s: float = _checked(2.0, _positive)
     unhealthy_threshold: int = _checked(2, _at_least(1))
     healthy_threshold: int = _checked(1, _at_least(1))
-    # Passive outlier ejection from live traffic (see balancer/breaker.py).
+    # Passive outlier ejection from live traffic (see balancer/routing/breaker.py).
     eject_after_failures: int = _checked(5, _at_least(1))
     ejection_base_s: float = _checked(5.0, _positive)
     ejection_max_s: float = _checked(300.0, _positive)
     # 500s say as much about the request as about the replica, so they eject only by success
-    # rate over a window, with answers from several clients (see balancer/breaker.py).
+    # rate over a window, with answers from several clients (see balancer/routing/breaker.py).
     success_rate_window_s: float = _checked(30.0, _positive)
     success_rate_min_requests: int = _checked(20, _at_least(1))
     success_rate_min_clients: int = _checked(3, _at_least(1))
@@ -227,7 +228,7 @@ class ModelDiscovery:
 @dataclass(frozen=True, slots=True)
 class HeaderSettings:
     expose_replica: bool = True
-    request_id: str = _checked("x-request-id", _header_name)
+    request_id: str = _checked(REQUEST_ID_HEADER, _header_name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,8 +243,8 @@ class RoutingSettings:
     """How requests are turned into prefixes and located: used by cache-aware policies."""
 
     region: str | None = _checked(None, _non_empty)  # this balancer's own region
-    region_header: str = _checked("x-kvlb-region", _header_name)
-    allowed_regions_header: str = _checked("x-kvlb-allowed-regions", _header_name)
+    region_header: str = _checked(REGION_HEADER, _header_name)
+    allowed_regions_header: str = _checked(ALLOWED_REGIONS_HEADER, _header_name)
     route_header: bool = False  # x-kvlb-route on answers: the decision and its terms
     block_chars: int = _checked(64, _at_least(1))
     tokens_per_char: float = _checked(0.25, _positive)

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import openai
 
-from loadtest.compare import compare_live, finish, print_comparison
+from balancer.protocol import REPLICA_HEADER
+from loadtest.client.workloads import load_workload
+from loadtest.compare.compare import compare_live, finish, print_comparison
 from loadtest.procs import free_port, start_process, stop_process, wait_for_http
-from loadtest.workloads import load_workload
 
 REPLICAS = 4
 MODEL = "demo-model"
@@ -81,7 +82,7 @@ async def burst(base_url: str) -> list[tuple[str, str, int, int, str]]:
                 raw = await oai.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=6)
                 answer = raw.parse()
                 text, usage, kind = answer.choices[0].message.content, answer.usage, "chat"
-            served.append((kind, raw.headers["x-kvlb-replica"], usage.prompt_tokens, cached_of(usage), text))
+            served.append((kind, raw.headers[REPLICA_HEADER], usage.prompt_tokens, cached_of(usage), text))
 
         async def completion(prompt: str, stream: bool) -> None:
             prompt = SYSTEM + prompt
@@ -99,7 +100,7 @@ async def burst(base_url: str) -> list[tuple[str, str, int, int, str]]:
                 raw = await oai.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=6)
                 answer = raw.parse()
                 text, usage, kind = answer.choices[0].text, answer.usage, "completion"
-            served.append((kind, raw.headers["x-kvlb-replica"], usage.prompt_tokens, cached_of(usage), text))
+            served.append((kind, raw.headers[REPLICA_HEADER], usage.prompt_tokens, cached_of(usage), text))
 
         for _wave in range(2):  # the second wave finds the shared system prompt in some caches
             jobs = []
@@ -124,11 +125,11 @@ async def main() -> int:
         try:
             for port in replica_ports:
                 procs.append(start_process(
-                    [sys.executable, "-m", "balancer.cli", "replica", "--port", str(port),
+                    [sys.executable, "-m", "balancer.process.cli", "replica", "--port", str(port),
                      "--profile", PROFILE, "--model", MODEL, "--time-scale", str(TIME_SCALE)], env))
             for port in replica_ports:
                 await wait_for_http(f"http://127.0.0.1:{port}/health")
-            procs.append(start_process([sys.executable, "-m", "balancer.cli", "serve", "--config", str(config)], env))
+            procs.append(start_process([sys.executable, "-m", "balancer.process.cli", "serve", "--config", str(config)], env))
             base_url = f"http://127.0.0.1:{kvlb_port}"
             await wait_for_http(base_url + "/ready")
             print(f"kvlb on {base_url} in front of {REPLICAS} simulated {PROFILE} replicas "

@@ -13,7 +13,7 @@ import time
 
 import aiohttp
 
-from balancer.children import dies_with_parent
+from balancer.process.children import dies_with_parent
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 @runtime_checkable
 class ReplicaView(Protocol):
-    """Read-only view of one replica, implemented by `balancer.fleet.Replica`."""
+    """Read-only view of one replica, implemented by `balancer.routing.fleet.Replica`."""
 
     @property
     def name(self) -> str: ...
@@ -48,7 +48,7 @@ class ReplicaView(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class RequestFeatures:
-    """What routing may know of a request, parsed once by `balancer.request`."""
+    """What routing may know of a request, parsed once by `balancer.routing.request`."""
 
     route: str
     model: str | None = None

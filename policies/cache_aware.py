@@ -22,7 +22,7 @@ Why the queue term is also the hot-spot guard: the balancer adds a request's unc
 to `prefill_tokens_queued` the moment it routes it, not when the replica reports back. When
 every request shares one system prompt and only one replica holds it yet, that replica wins
 only until its queue is as long as the prefix is worth; the next request goes elsewhere,
-warms that replica, and a busy fleet spreads (see tests/test_cache_aware.py). At light load
+warms that replica, and a busy fleet spreads (see tests/policies/test_cache_aware.py). At light load
 the prefix stays on the few warm replicas that can carry the traffic, each with a backlog
 never longer than the prefix is worth: no request waits longer than it would cold, but the
 other replicas stay idle (and cold) until the load rises. That is the myopic optimum for each

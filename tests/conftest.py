@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from balancer.app import Balancer, start_balancer
 from balancer.config import Settings, parse_settings
-from balancer.server import Balancer, start_balancer
-from loadtest.stub_replica import make_stub_app
+from loadtest.compare.stub_replica import make_stub_app
 from tests.redis_server import RedisServer
 
 # Test servers stay below 32768: ports above are the kernel's ephemeral range, where an

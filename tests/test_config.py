@@ -308,7 +308,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_kvlb(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "balancer.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "balancer.process.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=60
     )
 
 

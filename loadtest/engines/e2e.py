@@ -37,8 +37,9 @@ from typing import Any
 
 import aiohttp
 
+from balancer.app import start_balancer
 from balancer.config import parse_settings
-from balancer.server import start_balancer
+from balancer.protocol import REPLICA_HEADER, ROUTE_HEADER
 from loadtest.procs import free_port
 
 ENGINE_BLOCK_SIZE = 128  # vLLM's default on CPU
@@ -115,10 +116,10 @@ async def run_workload(base_url: str, mode: str, workload: Workload) -> list[Tur
                         raise RuntimeError(f"{mode}: HTTP {answer.status}: {payload}")
                     usage = payload["usage"]
                     turns.append(Turn(
-                        mode, index, turn, answer.headers.get("x-kvlb-replica", ""),
+                        mode, index, turn, answer.headers.get(REPLICA_HEADER, ""),
                         usage["prompt_tokens"],
                         (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
-                        predicted_cached(answer.headers.get("x-kvlb-route")),
+                        predicted_cached(answer.headers.get(ROUTE_HEADER)),
                     ))
                 messages.append({"role": "assistant", "content": payload["choices"][0]["message"]["content"]})
 
@@ -213,7 +214,7 @@ class LaunchedFleet:
 def launch_command(python: str, model_dir: str, replicas: int, base_port: int, events_port: int,
                    kvlb_port: int, log_dir: str) -> list[str]:
     return [
-        sys.executable, "-m", "balancer.cli", "launch", "--engine", "vllm", "--cpu",
+        sys.executable, "-m", "balancer.process.cli", "launch", "--engine", "vllm", "--cpu",
         "--model", model_dir, "--replicas", str(replicas), "--engine-python", python,
         "--base-port", str(base_port), "--events-base-port", str(events_port),
         "--port", str(kvlb_port), "--log-dir", log_dir, "--start-timeout-s", "400",

@@ -1,6 +1,6 @@
 """`kvlb replica`: run one simulated GPU replica (also `python -m loadtest.replica`).
 
-`register` is the `kvlb.commands` entry point that `balancer/cli.py` discovers, so the proxy
+`register` is the `kvlb.commands` entry point that `balancer/process/cli.py` discovers, so the proxy
 package never imports the test bed.
 """
 

@@ -1,0 +1,30 @@
+"""The names kvlb shares with its clients, replicas and test bed: one definition each.
+
+Headers kvlb reads or writes on the wire, and the metric names that tools outside the
+balancer (benchmarks, the load-test harness, dashboards) look for on `/metrics`. Anything
+that speaks to kvlb imports the name from here rather than spelling it again.
+"""
+
+from __future__ import annotations
+
+# -- request headers -------------------------------------------------------------------------
+# Affinity key for session-sticky routing; the body's `user` field is the fallback.
+SESSION_HEADER = "x-session-id"
+# Default names (configurable under `headers:` and `routing:`).
+REQUEST_ID_HEADER = "x-request-id"
+REGION_HEADER = "x-kvlb-region"
+ALLOWED_REGIONS_HEADER = "x-kvlb-allowed-regions"
+
+# -- answer headers --------------------------------------------------------------------------
+# The replica that served the answer (`headers.expose_replica`).
+REPLICA_HEADER = "x-kvlb-replica"
+# The routing decision and its terms (`routing.route_header`).
+ROUTE_HEADER = "x-kvlb-route"
+
+# -- metric names the test bed reads ---------------------------------------------------------
+METRIC_REQUESTS = "kvlb_requests"
+METRIC_PREFIX_INDEX_ENTRIES = "kvlb_prefix_index_entries"
+METRIC_PREFIX_INDEX_BYTES = "kvlb_prefix_index_bytes"
+METRIC_PREFIX_INDEX_FAMILY = "kvlb_prefix_index_"
+METRIC_SYNC_FAMILY = "kvlb_sync"
+METRIC_SYNC_LAG = "kvlb_sync_lag_seconds"

@@ -1,0 +1,235 @@
+"""The routing core: one request's life at the balancer, decided without I/O or a clock.
+
+The core decides; it never sends. Whoever drives it (the proxy with sockets and the event
+loop's clock, the offline simulator with virtual time) calls it at each step of a request
+and passes the time in:
+
+    admission   try_enter / join / hand_over / withdraw on `core.admission`
+    candidates  `candidates(model, allowed regions, now)`: model, health, room, residency
+    plan        `plan(route, features, prompt, candidates, origin region)`: the prediction
+                (approximate or precise index), the features, the policy's ranking
+    attempt     `next_attempt(journey, now)`: the next ranked replica, never one twice, at
+                most `max_attempts`; the load the request puts on it is counted from here
+    verdicts    `failed` (the replica's fault), `held_off` (it said when to come back),
+                `answered` (an answer relayed, judged by success rate)
+    first byte  `first_byte(journey)`: its prefill is done
+    usage       `learn(journey, prompt tokens, cached tokens)`: the replica's own figures
+    finish      `end_attempt(journey, answered)`: the load leaves, the index keeps or
+                forgets what the attempt recorded
+
+Both drivers run exactly these steps, so a decision taken offline is the decision `kvlb
+serve` takes on the same state. The core is the one writer of the load this instance puts on
+a replica (`in_flight`, `prefill_tokens_queued`, `decoding`); other instances' share arrives
+through `Replica.set_remote_load`.
+
+Timers are the driver's: `call_at(when, callback)` is injected, and the core uses it for
+one thing, forgetting a replica's cache once it has been out (unhealthy or ejected) for
+`routing.forget_unhealthy_after_s`, by when it has likely restarted empty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from balancer.routing.admission import AdmissionQueue
+from balancer.routing.breaker import CLOSED
+from balancer.routing.fleet import Fleet, Replica
+from balancer.routing.tracker import CacheTracker, Lesson, Routed
+from policies.base import Choice, Policy, RequestFeatures
+
+# Phases of one attempt on one replica.
+IDLE, PREFILLING, DECODING = 0, 1, 2
+
+# call_at(when, callback): run callback(now) once the driver's clock reaches `when`.
+CallAt = Callable[[float, Callable[[float], None]], Any]
+
+
+@dataclass(slots=True)
+class Journey:
+    """One request's routing state: its features and ranking, then the attempt under way."""
+
+    features: RequestFeatures
+    ranking: Sequence[Choice]
+    routed: Routed | None = None  # the cache prediction, for policies that use one
+    attempts: list[str] = field(default_factory=list)
+    replica: Replica | None = None  # the attempt under way
+    phase: int = IDLE
+    uncached: int = 0  # prompt tokens the attempt's replica must compute, by the prediction
+    probe: bool = False  # the attempt is its replica's half-open breaker probe
+    max_attempts: int = 3
+    _next: int = 0
+
+
+@dataclass(slots=True)
+class CoreSettings:
+    max_attempts: int = 3
+    region: str | None = None  # the balancer's own, for requests that name none
+    forget_unhealthy_after_s: float = 30.0
+
+
+class RoutingCore:
+    def __init__(
+        self,
+        fleet: Fleet,
+        policy: Policy,
+        tracker: CacheTracker | None,
+        admission: AdmissionQueue[Any],
+        settings: CoreSettings,
+        call_at: CallAt,
+    ) -> None:
+        self.fleet = fleet
+        self.policy = policy
+        self.tracker = tracker
+        self.admission = admission
+        self.settings = settings
+        self._call_at = call_at
+        for replica in fleet.replicas:
+            self.joined(replica)
+
+    # -- the fleet changes ---------------------------------------------------------------
+
+    def joined(self, replica: Replica) -> None:
+        if self.tracker is not None:
+            self.tracker.index.set_capacity(replica.name, replica.kv_capacity_tokens)
+
+    def capacity_reported(self, replica: Replica, tokens: int) -> None:
+        """The replica's own KV capacity, where config gave none."""
+        if self.tracker is not None and replica.kv_capacity_tokens is None:
+            self.tracker.index.set_capacity(replica.name, tokens)
+
+    def left(self, replica: Replica) -> None:
+        if self.tracker is not None:
+            self.tracker.forget(replica.name)
+
+    def went_out(self, replica: Replica, now: float) -> None:
+        """`replica` failed its health checks or was ejected: if it is still out after a
+        while, it has probably restarted and lost its cache."""
+        if self.tracker is None:
+            return
+        self._call_at(now + self.settings.forget_unhealthy_after_s, lambda later: self._forget_if_out(replica, later))
+
+    def _forget_if_out(self, replica: Replica, now: float) -> None:
+        if self.tracker is not None and (not replica.healthy or replica.breaker.state(now) != CLOSED):
+            self.tracker.forget(replica.name)
+
+    # -- one request ---------------------------------------------------------------------
+
+    def candidates(self, model: str | None, allowed_regions: frozenset[str] | None, now: float) -> list[Replica]:
+        """The replicas that may take the request, or the ClientError saying why none."""
+        return self.fleet.candidates(model, allowed_regions, now)
+
+    def plan(
+        self,
+        route: str,
+        features: RequestFeatures,
+        prompt: str | Sequence[int] | None,
+        candidates: Sequence[Replica],
+        origin_region: str | None = None,
+    ) -> Journey:
+        """Predict the prompt's cache hits, then rank `candidates` by the policy."""
+        routed = None
+        if self.tracker is not None and prompt is not None:
+            routed = self.tracker.predict(prompt)
+            features = RequestFeatures(
+                route=route,
+                model=features.model,
+                stream=features.stream,
+                session_key=features.session_key,
+                prompt=prompt,
+                prompt_tokens=routed.prompt_tokens,
+                cached_tokens=routed.cached,
+                origin_region=origin_region or self.settings.region,
+            )
+        ranking = self.policy.rank(features, candidates)
+        return Journey(features, ranking, routed, max_attempts=self.settings.max_attempts)
+
+    def next_attempt(self, journey: Journey, now: float) -> Replica | None:
+        """The next replica to send the request to, or None when the ranking is spent."""
+        assert journey.replica is None, "end_attempt first"
+        if journey._next >= min(len(journey.ranking), journey.max_attempts):
+            return None
+        replica: Replica = journey.ranking[journey._next].replica  # type: ignore[assignment]
+        journey._next += 1
+        journey.replica = replica
+        journey.attempts.append(replica.name)
+        journey.probe = replica.breaker.started(now)
+        routed = journey.routed
+        uncached = 0
+        if routed is not None:
+            tracker = self.tracker
+            assert tracker is not None
+            uncached = tracker.uncached(routed, replica)
+            tracker.start(routed, replica)
+        journey.uncached = uncached
+        journey.phase = PREFILLING
+        replica.in_flight += 1
+        replica.prefill_tokens_queued += uncached
+        # It holds a batch slot from now on: a non-streaming answer's first byte is its last,
+        # so waiting for it to count the request as decoding would miss its whole decode.
+        replica.decoding += 1
+        return replica
+
+    def first_byte(self, journey: Journey) -> None:
+        """The replica has answered: its prefill is done. Later calls change nothing."""
+        replica = journey.replica
+        if replica is None or journey.phase != PREFILLING:
+            return
+        replica.prefill_tokens_queued -= journey.uncached
+        journey.phase = DECODING
+        if journey.routed is not None:
+            self.tracker.first_byte(journey.routed, replica)  # type: ignore[union-attr]
+
+    def learn(self, journey: Journey, prompt_tokens: int, cached_tokens: int) -> Lesson | None:
+        """The replica's own token figures for this prompt, against the prediction; at most
+        one lesson per request."""
+        replica = journey.replica
+        if journey.routed is None or replica is None or self.tracker is None:
+            return None
+        return self.tracker.learn(journey.routed, replica, prompt_tokens, cached_tokens)
+
+    def failed(self, journey: Journey, now: float) -> bool:
+        """The attempt failed by the replica's fault; True when that ejects it."""
+        replica = journey.replica
+        assert replica is not None
+        ejected = replica.breaker.failed(now)
+        if ejected:
+            self.went_out(replica, now)
+        return ejected
+
+    def held_off(self, journey: Journey, now: float, wait_s: float) -> None:
+        """The replica asked to be left alone for `wait_s` (Retry-After)."""
+        assert journey.replica is not None
+        journey.replica.breaker.hold_off(now, wait_s)
+
+    def answered(self, journey: Journey, now: float, ok: bool, client: str | None) -> bool:
+        """An answer was relayed whole; `ok` unless it was a 5xx. True when the replica's
+        success rate ejects it."""
+        replica = journey.replica
+        assert replica is not None
+        ejected = replica.breaker.answered(now, ok, client)
+        if ejected:
+            self.went_out(replica, now)
+        return ejected
+
+    def end_attempt(self, journey: Journey, *, answered: bool) -> Replica:
+        """The attempt is over, however it ended. Returns its replica."""
+        replica = journey.replica
+        assert replica is not None
+        phase = journey.phase
+        if phase == PREFILLING:
+            replica.prefill_tokens_queued -= journey.uncached
+        if phase != IDLE:
+            replica.decoding -= 1
+        replica.in_flight -= 1
+        if journey.probe and replica.breaker.probe_in_flight:
+            replica.breaker.abandoned()
+        if journey.routed is not None:
+            self.tracker.finish(  # type: ignore[union-attr]
+                journey.routed, replica, answered=answered, prefilled=phase == DECODING
+            )
+        journey.replica = None
+        journey.phase = IDLE
+        self.fleet.released(replica)
+        return replica

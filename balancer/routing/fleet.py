@@ -1,0 +1,234 @@
+"""Replica state: the one place that knows each replica's load, health and models."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from balancer.config import ReplicaSettings
+from balancer.errors import ClientError
+from balancer.routing.breaker import Breaker, BreakerSettings
+
+
+class Replica:
+    """One upstream engine. Implements `policies.base.ReplicaView`."""
+
+    __slots__ = (
+        "name", "url", "weight", "labels", "max_concurrency", "kv_capacity_tokens",
+        "declared_model", "in_flight", "healthy", "discovered_models", "model_cards",
+        "prefill_tokens_queued", "decoding", "breaker", "draining", "settings",
+        "remote_in_flight", "remote_prefill_tokens_queued", "remote_decoding",
+    )
+
+    def __init__(self, settings: ReplicaSettings, breaker: BreakerSettings | None = None) -> None:
+        self.settings = settings
+        self.name: str = settings.name or settings.url
+        self.url: str = settings.url
+        self.weight: float = settings.weight
+        self.labels: Mapping[str, str] = MappingProxyType(dict(settings.labels))
+        self.max_concurrency: int | None = settings.max_concurrency
+        self.kv_capacity_tokens: int | None = settings.kv_capacity_tokens
+        self.declared_model: str | None = settings.model
+        # Load counts are this instance's own plus, when instances share state (balancer/watchers/sync.py),
+        # the others' last snapshots, which are also kept apart in the remote_* fields so that
+        # a new snapshot replaces the old one's share. Policies and max_concurrency thus see
+        # the whole replica's load, whichever instance routed it.
+        self.in_flight = 0
+        self.prefill_tokens_queued = 0
+        self.decoding = 0
+        self.remote_in_flight = 0
+        self.remote_prefill_tokens_queued = 0
+        self.remote_decoding = 0
+        self.breaker = Breaker(breaker or BreakerSettings())
+        # Draining: no new requests; those in flight finish (admin API).
+        self.draining = False
+        # Optimistic until the first health check says otherwise, so a fresh balancer serves at once.
+        self.healthy = True
+        # None until the replica has answered /v1/models once.
+        self.discovered_models: frozenset[str] | None = None
+        self.model_cards: tuple[Mapping[str, Any], ...] = ()
+
+    def serves(self, model: str | None) -> bool:
+        if model is None:
+            return True
+        if self.declared_model is None and self.discovered_models is None:
+            # Nothing known yet: do not refuse traffic the replica may well serve.
+            return True
+        return model == self.declared_model or (
+            self.discovered_models is not None and model in self.discovered_models
+        )
+
+    def set_remote_load(self, in_flight: int, prefill_tokens_queued: int, decoding: int) -> None:
+        """Other instances' requests on this replica, replacing their previous snapshot."""
+        self.in_flight += in_flight - self.remote_in_flight
+        self.prefill_tokens_queued += prefill_tokens_queued - self.remote_prefill_tokens_queued
+        self.decoding += decoding - self.remote_decoding
+        self.remote_in_flight = in_flight
+        self.remote_prefill_tokens_queued = prefill_tokens_queued
+        self.remote_decoding = decoding
+
+    def local_load(self) -> tuple[int, int, int]:
+        """This instance's own (in flight, queued prefill tokens, decoding)."""
+        return (
+            self.in_flight - self.remote_in_flight,
+            self.prefill_tokens_queued - self.remote_prefill_tokens_queued,
+            self.decoding - self.remote_decoding,
+        )
+
+    def has_room(self) -> bool:
+        return not self.draining and (self.max_concurrency is None or self.in_flight < self.max_concurrency)
+
+    def __repr__(self) -> str:
+        return f"Replica({self.name!r}, in_flight={self.in_flight}, healthy={self.healthy})"
+
+
+FULL = "overloaded"  # the code of the refusal when every replica is at its max_concurrency
+# The metric label of a model no replica lists or declares: the client's free text must not
+# become a label, or one client could mint a series per request.
+OTHER_MODEL = "other"
+KNOWN_MODELS_REFRESH_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class FleetCounts:
+    total: int
+    healthy: int
+
+
+class Fleet:
+    def __init__(self, replicas: Iterable[ReplicaSettings], breaker: BreakerSettings | None = None) -> None:
+        self.breaker_settings = breaker
+        self.replicas: tuple[Replica, ...] = tuple(Replica(s, breaker) for s in replicas)
+        # Requests waiting for a replica under its max_concurrency (see wait_for_room).
+        self._room_waiters: list[asyncio.Future[None]] = []
+        self.by_name: dict[str, Replica] = {r.name: r for r in self.replicas}
+        self._known_models: frozenset[str] = frozenset()
+        self._known_models_at = float("-inf")
+
+    def candidates(
+        self, model: str | None, allowed_regions: frozenset[str] | None = None, now: float = 0.0
+    ) -> list[Replica]:
+        """Replicas a request for `model` may go to, or the ClientError explaining why none.
+
+        `allowed_regions` is data residency, a hard filter: a replica outside it (or with no
+        region label) never serves the request, even when that leaves none.
+        """
+        ready = [
+            r for r in self.replicas
+            if r.healthy and r.serves(model) and r.has_room() and r.breaker.allows(now)
+            and (allowed_regions is None or r.labels.get("region") in allowed_regions)
+        ]
+        if ready:
+            return ready
+        # None left: find out why, for an answer that says so.
+        serving = [r for r in self.replicas if r.serves(model)]
+        if allowed_regions is not None and serving:
+            serving = [r for r in serving if r.labels.get("region") in allowed_regions]
+            if not serving:
+                raise ClientError(
+                    503,
+                    "no replica serving this model is in the allowed regions "
+                    + ", ".join(sorted(allowed_regions)),
+                    "no_replica_in_allowed_regions",
+                    retry_after=5,
+                )
+        if not serving:
+            raise ClientError(
+                404,
+                f"The model '{model}' does not exist or is not served by any replica",
+                "model_not_found",
+                param="model",
+            )
+        healthy = [r for r in serving if r.healthy and not r.draining and r.breaker.allows(now)]
+        if not healthy:
+            raise ClientError(
+                503,
+                f"no healthy replica serves model '{model}'" if model else "no healthy replica",
+                "no_healthy_replica",
+                type_="service_unavailable",
+                retry_after=5,
+            )
+        ready = [r for r in healthy if r.has_room()]
+        if not ready:
+            raise ClientError(
+                429,
+                "every replica is at its max_concurrency; retry shortly",
+                FULL,
+                type_="rate_limit_error",
+                retry_after=1,
+            )
+        return ready
+
+    def add(self, settings: ReplicaSettings) -> Replica:
+        """A new replica, routable at once (requests in flight keep the old tuple)."""
+        if settings.name in self.by_name:
+            raise ValueError(f"a replica named {settings.name!r} exists already")
+        replica = Replica(settings, self.breaker_settings)
+        self.replicas = (*self.replicas, replica)
+        self.by_name[replica.name] = replica
+        return replica
+
+    def remove(self, name: str) -> Replica:
+        """Out of the fleet at once; requests in flight on it finish on their own."""
+        replica = self.by_name.pop(name)
+        self.replicas = tuple(r for r in self.replicas if r is not replica)
+        replica.draining = True
+        return replica
+
+    def released(self, replica: Replica) -> None:
+        """A request on `replica` ended: wake whoever waits for room (they re-check)."""
+        if self._room_waiters and replica.max_concurrency is not None:
+            waiters, self._room_waiters = self._room_waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    async def wait_for_room(self, timeout_s: float) -> None:
+        """Until some capped replica frees a slot (TimeoutError after `timeout_s`)."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._room_waiters.append(waiter)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await waiter
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+            # Gone now, not when some request finishes: waiters that time out while nothing
+            # finishes must not pile up. (One that was woken has left the list already.)
+            try:
+                self._room_waiters.remove(waiter)
+            except ValueError:
+                pass
+
+    def model_label(self, model: str, now: float) -> str:
+        """`model` as a metric label: itself when a replica lists or declares it, else
+        OTHER_MODEL. What replicas list is re-read at most once a second, on a miss."""
+        if not model or model in self._known_models:
+            return model
+        if now - self._known_models_at >= KNOWN_MODELS_REFRESH_S:
+            self._known_models_at = now
+            known = {r.declared_model for r in self.replicas if r.declared_model}
+            for replica in self.replicas:
+                known.update(replica.discovered_models or ())
+            self._known_models = frozenset(known)
+            if model in self._known_models:
+                return model
+        return OTHER_MODEL
+
+    def counts(self) -> FleetCounts:
+        return FleetCounts(len(self.replicas), sum(1 for r in self.replicas if r.healthy))
+
+    def model_cards(self) -> list[Mapping[str, Any]]:
+        """Every model served, each once: what replicas reported, then what config declares."""
+        seen: dict[str, Mapping[str, Any]] = {}
+        for replica in self.replicas:
+            for card in replica.model_cards:
+                seen.setdefault(card["id"], card)
+        for replica in self.replicas:
+            model = replica.declared_model
+            if model and model not in seen:
+                seen[model] = {"id": model, "object": "model", "created": 0, "owned_by": "kvlb"}
+        return list(seen.values())

@@ -1,0 +1,123 @@
+"""What cache-aware routing knows and learns of the replicas' caches.
+
+Before ranking: the prompt's block hashes, its estimated length in tokens, and, from the
+prefix index, how many leading tokens each replica is believed to hold. After the choice:
+the chosen replica is recorded as holding the prompt (it will once it has prefilled). An
+attempt that never got an answer leaves nothing behind. When the replica reports what it
+really had cached, a wrong guess is corrected in the index.
+
+The tracker keeps the index only; the load a request puts on its replica (queued prefill,
+a decode slot) is the routing core's to count (`balancer.routing.core`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from balancer.config import RoutingSettings
+from balancer.routing.fleet import Replica
+from balancer.routing.index import PrefixIndex
+from balancer.routing.prefix import BlockHashes, PrefixHasher
+
+
+@dataclass(slots=True)
+class Routed:
+    """One request's prediction, and what was learned of it."""
+
+    hashes: BlockHashes
+    prompt_tokens: int
+    cached: dict[str, int]  # replica name -> predicted cached leading tokens
+    learned: bool = False
+    # When the chosen replica last used the deepest block it was predicted to hold, before
+    # this request refreshed it: what its LRU engine would have evicted first if it missed.
+    predicted_last_use: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Lesson:
+    """A replica's own figure against the prediction, in the balancer's token estimate."""
+
+    predicted: int
+    actual: int
+    corrected: bool
+
+
+class CacheTracker:
+    # Called with (replica name, the prompt's block hashes) each time a request is sent: how
+    # other instances learn this one's decisions (balancer/watchers/sync.py).
+    on_record: Callable[[str, Sequence[int]], None] | None = None
+
+    def __init__(self, settings: RoutingSettings, clock: Callable[[], float]) -> None:
+        self.hasher = PrefixHasher(settings.block_chars, settings.tokens_per_char)
+        self.index = PrefixIndex(
+            tokens_per_block=self.hasher.tokens_per_block,
+            ttl_s=settings.index_ttl_s,
+            max_entries=settings.index_max_entries,
+            clock=clock,
+            default_capacity_tokens=settings.assumed_kv_capacity_tokens,
+        )
+
+    def predict(self, prompt: str | Sequence[int]) -> Routed:
+        hashes = self.hasher.lazy(prompt)
+        if isinstance(prompt, str):
+            prompt_tokens = self.hasher.estimate_tokens(prompt)
+        else:
+            prompt_tokens = len(prompt)
+        per_block = self.index.tokens_per_block
+        cached = {name: int(blocks * per_block) for name, blocks in self.index.match(hashes).items()}
+        return Routed(hashes, prompt_tokens, cached)
+
+    def uncached(self, routed: Routed, replica: Replica) -> int:
+        """The prompt tokens `replica` must compute, by the prediction."""
+        return max(routed.prompt_tokens - routed.cached.get(replica.name, 0), 0)
+
+    def start(self, routed: Routed, replica: Replica) -> None:
+        """The request is being sent to `replica`."""
+        self._record_routed(routed, replica)
+        if self.on_record is not None:
+            self.on_record(replica.name, routed.hashes)
+
+    def _record_routed(self, routed: Routed, replica: Replica) -> None:
+        blocks = int(routed.cached.get(replica.name, 0) / self.index.tokens_per_block)
+        routed.predicted_last_use = (
+            self.index.last_use(replica.name, routed.hashes[blocks - 1]) if blocks else None
+        )
+        self.index.record(replica.name, routed.hashes)
+
+    def first_byte(self, routed: Routed, replica: Replica) -> None:
+        """`replica` has answered: its prefill is done (called once per attempt)."""
+
+    def finish(self, routed: Routed, replica: Replica, *, answered: bool, prefilled: bool) -> None:
+        """The attempt on `replica` is over. One that never got an answer leaves nothing in
+        the replica's cache beyond what it had, so the index forgets what `start` recorded."""
+        if not answered:
+            self._forget_attempt(routed, replica)
+
+    def _forget_attempt(self, routed: Routed, replica: Replica) -> None:
+        had = int(routed.cached.get(replica.name, 0) / self.index.tokens_per_block)
+        self.index.truncate(replica.name, routed.hashes, had)
+
+    def learn(self, routed: Routed, replica: Replica, prompt_tokens: int, cached_tokens: int) -> Lesson | None:
+        """Compare the replica's reported cache hit with the prediction.
+
+        Reported figures are in the replica's own tokens, so they are compared as a fraction
+        of the prompt. A replica that held less than predicted has evicted (or restarted and
+        lost) blocks the index still lists. Engines evict least recently used first, so
+        everything it last used no later than the block it missed is gone too: those entries
+        leave the index. This prompt stays: the replica has just computed it.
+        """
+        if routed.learned or prompt_tokens <= 0:
+            return None
+        routed.learned = True
+        fraction = min(max(cached_tokens / prompt_tokens, 0.0), 1.0)
+        predicted = routed.cached.get(replica.name, 0)
+        actual = int(fraction * routed.prompt_tokens)
+        corrected = False
+        if actual + self.index.tokens_per_block < predicted and routed.predicted_last_use is not None:
+            self.index.forget_older_than(replica.name, routed.predicted_last_use)
+            corrected = True
+        return Lesson(predicted, actual, corrected)
+
+    def forget(self, replica: str) -> None:
+        self.index.remove_replica(replica)

@@ -1,0 +1,299 @@
+"""Prometheus metrics, counted in plain dicts and turned into metric families at scrape time.
+
+prometheus_client's labelled children take a lock and allocate on every update; counting
+here costs a dict increment per request, and the exposition (names, types, text format)
+is still prometheus_client's. One registry per balancer, so several can share a process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from bisect import bisect_left
+from collections import defaultdict
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from balancer.protocol import (
+    METRIC_PREFIX_INDEX_BYTES,
+    METRIC_PREFIX_INDEX_ENTRIES,
+    METRIC_REQUESTS,
+)
+from balancer.routing.breaker import STATE_VALUES
+from balancer.routing.fleet import Fleet
+from balancer.routing.index import PrefixIndex
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+NO_REPLICA = "none"
+ERROR_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)
+# Routing decisions take tens to hundreds of microseconds (README, "Routing cost").
+DECISION_BUCKETS = (
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1,
+)
+# Estimated memory of one prefix-index (replica, block) entry, nodes included. Prompts with
+# shared prefixes cost 175-248 bytes an entry (`python -m loadtest.bench.routing`); prompts
+# that share nothing, each entry its own node, cost ~360 bytes of RSS an entry over two
+# million (`python -m loadtest.bench.memory`). The estimate takes the worst case.
+INDEX_BYTES_PER_ENTRY = 360
+
+
+class _Histogram:
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def family_buckets(self) -> list[tuple[str, float]]:
+        cumulative, out = 0, []
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            cumulative += count
+            out.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+        return out
+
+
+class Metrics(Collector):
+    """Every kvlb_* metric (but the sync ones: balancer/watchers/sync.py). Label values come from
+    bounded sets: routes, models the fleet serves, replicas, statuses."""
+
+    def __init__(self, fleet: Fleet, index: PrefixIndex | None = None) -> None:
+        self.fleet = fleet
+        self.index = index  # the prefix index, for cache-aware policies
+        self.requests: defaultdict[tuple[str, str, str, int], int] = defaultdict(int)
+        self.durations: defaultdict[str, _Histogram] = defaultdict(_Histogram)
+        self.ttfts: defaultdict[tuple[str, str], _Histogram] = defaultdict(_Histogram)
+        self.decisions: defaultdict[str, _Histogram] = defaultdict(lambda: _Histogram(DECISION_BUCKETS))
+        self.failovers: defaultdict[str, int] = defaultdict(int)
+        self.attempts: defaultdict[tuple[str, str], int] = defaultdict(int)
+        self.disconnects: defaultdict[str, int] = defaultdict(int)
+        self.client_stalls: defaultdict[str, int] = defaultdict(int)
+        self.prompt_tokens: defaultdict[str, int] = defaultdict(int)
+        self.predicted_tokens: defaultdict[str, int] = defaultdict(int)
+        self.actual_tokens: defaultdict[str, int] = defaultdict(int)
+        self.corrections: defaultdict[str, int] = defaultdict(int)
+        self.prediction_error = _Histogram(ERROR_BUCKETS)
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+
+    def observe_request(
+        self, route: str, replica: str, status: int, seconds: float, model: str = "",
+        ttft: float | None = None, failover: bool = False,
+    ) -> None:
+        """One request answered. `ttft`: seconds to the answer's first byte, when a replica
+        answered; `failover`: it was answered by other than its first-ranked replica."""
+        self.requests[(route, model, replica, status)] += 1
+        self.durations[route].observe(seconds)
+        if ttft is not None:
+            self.ttfts[(route, replica)].observe(ttft)
+        if failover:
+            self.failovers[route] += 1
+
+    def observe_decision(self, route: str, seconds: float) -> None:
+        self.decisions[route].observe(seconds)
+
+    def count_attempt(self, replica: str, outcome: str) -> None:
+        self.attempts[(replica, outcome)] += 1
+
+    def count_disconnect(self, route: str) -> None:
+        self.disconnects[route] += 1
+
+    def count_client_stall(self, route: str) -> None:
+        self.client_stalls[route] += 1
+
+    def forget_replica(self, replica: str) -> None:
+        """A replica left the fleet: its series go too, so they do not pile up as replicas
+        come and go (a Prometheus series that disappears is read as ended)."""
+        for table, at in ((self.requests, 2), (self.ttfts, 1), (self.attempts, 0)):
+            for key in [k for k in table if k[at] == replica]:
+                del table[key]
+        for table in (self.prompt_tokens, self.predicted_tokens, self.actual_tokens, self.corrections):
+            table.pop(replica, None)
+
+    def observe_lesson(
+        self, replica: str, predicted: int, actual: int, corrected: bool, prompt_tokens: int = 0
+    ) -> None:
+        """A replica's reported cached tokens against the prefix index's prediction, and the
+        prompt's length: actual / prompt is the cache hit ratio."""
+        self.prompt_tokens[replica] += prompt_tokens
+        self.predicted_tokens[replica] += predicted
+        self.actual_tokens[replica] += actual
+        self.prediction_error.observe(abs(predicted - actual))
+        if corrected:
+            self.corrections[replica] += 1
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            METRIC_REQUESTS,
+            "Requests answered, by route, model (\"\" when none or unknown), serving replica and HTTP status",
+            labels=["route", "model", "replica", "status"],
+        )
+        for (route, model, replica, status), count in list(self.requests.items()):
+            requests.add_metric([route, model, replica, str(status)], count)
+        yield requests
+
+        duration = HistogramMetricFamily(
+            "kvlb_request_duration_seconds", "Time from receiving a request to the end of its response",
+            labels=["route"],
+        )
+        for route, hist in list(self.durations.items()):
+            duration.add_metric([route], hist.family_buckets(), hist.total)
+        yield duration
+
+        ttft = HistogramMetricFamily(
+            "kvlb_time_to_first_token_seconds",
+            "Time from receiving a request to relaying the first byte of its replica's answer "
+            "(a whole answer when not streamed)",
+            labels=["route", "replica"],
+        )
+        for (route, replica), hist in list(self.ttfts.items()):
+            ttft.add_metric([route, replica], hist.family_buckets(), hist.total)
+        yield ttft
+
+        decision = HistogramMetricFamily(
+            "kvlb_routing_decision_seconds",
+            "CPU time to route a request: parse the body, predict cached prefixes, rank replicas",
+            labels=["route"],
+        )
+        for route, hist in list(self.decisions.items()):
+            decision.add_metric([route], hist.family_buckets(), hist.total)
+        yield decision
+
+        failovers = CounterMetricFamily(
+            "kvlb_failovers", "Requests answered by other than their first-ranked replica", labels=["route"]
+        )
+        for route, count in list(self.failovers.items()):
+            failovers.add_metric([route], count)
+        yield failovers
+
+        attempts = CounterMetricFamily(
+            "kvlb_upstream_attempts", "Attempts to send a request to a replica, by outcome",
+            labels=["replica", "outcome"],
+        )
+        for (replica, outcome), count in list(self.attempts.items()):
+            attempts.add_metric([replica, outcome], count)
+        yield attempts
+
+        disconnects = CounterMetricFamily(
+            "kvlb_client_disconnects", "Requests whose client went away before the response ended",
+            labels=["route"],
+        )
+        for route, count in list(self.disconnects.items()):
+            disconnects.add_metric([route], count)
+        yield disconnects
+
+        stalls = CounterMetricFamily(
+            "kvlb_client_stalls",
+            "Answers cut because their client stopped reading for timeouts.client_write_s",
+            labels=["route"],
+        )
+        for route, count in list(self.client_stalls.items()):
+            stalls.add_metric([route], count)
+        yield stalls
+
+        prompt = CounterMetricFamily(
+            "kvlb_prefix_prompt_tokens",
+            "Prompt tokens (the balancer's estimate) of the answers that reported their cached tokens",
+            labels=["replica"],
+        )
+        predicted = CounterMetricFamily(
+            "kvlb_prefix_predicted_cached_tokens",
+            "Cached prompt tokens the prefix index predicted, for answers that reported theirs",
+            labels=["replica"],
+        )
+        actual = CounterMetricFamily(
+            "kvlb_prefix_actual_cached_tokens",
+            "Cached prompt tokens replicas reported (in the balancer's token estimate)",
+            labels=["replica"],
+        )
+        corrections = CounterMetricFamily(
+            "kvlb_prefix_index_corrections",
+            "Times a replica held less than predicted and the index forgot what it had evicted",
+            labels=["replica"],
+        )
+        for replica in list(self.predicted_tokens):
+            prompt.add_metric([replica], self.prompt_tokens.get(replica, 0))
+            predicted.add_metric([replica], self.predicted_tokens[replica])
+            actual.add_metric([replica], self.actual_tokens[replica])
+            corrections.add_metric([replica], self.corrections.get(replica, 0))
+        yield prompt
+        yield predicted
+        yield actual
+        yield corrections
+        error = HistogramMetricFamily(
+            "kvlb_prefix_prediction_error_tokens",
+            "Absolute difference between predicted and reported cached tokens per answer",
+        )
+        error.add_metric([], self.prediction_error.family_buckets(), self.prediction_error.total)
+        yield error
+
+        index = self.index
+        entries = index.entries if index is not None else 0
+        yield GaugeMetricFamily(
+            METRIC_PREFIX_INDEX_ENTRIES, "(replica, prompt block) entries in the prefix index", value=entries
+        )
+        yield GaugeMetricFamily(
+            METRIC_PREFIX_INDEX_BYTES,
+            f"Estimated memory of the prefix index: entries x {INDEX_BYTES_PER_ENTRY} bytes",
+            value=entries * INDEX_BYTES_PER_ENTRY,
+        )
+        evictions = CounterMetricFamily(
+            "kvlb_prefix_index_evictions",
+            "Prefix-index entries evicted: past index_ttl_s (ttl), past a replica's KV capacity, "
+            "oldest first (capacity), past index_max_entries (budget)",
+            labels=["reason"],
+        )
+        evictions.add_metric(["ttl"], index.evicted_ttl if index is not None else 0)
+        evictions.add_metric(["capacity"], index.evicted_capacity if index is not None else 0)
+        evictions.add_metric(["budget"], index.evicted_budget if index is not None else 0)
+        yield evictions
+
+        # Load and health are read from the fleet, their one source of truth.
+        in_flight = GaugeMetricFamily(
+            "kvlb_in_flight_requests", "Requests routed to a replica and not finished", labels=["replica"]
+        )
+        healthy = GaugeMetricFamily(
+            "kvlb_replica_healthy", "1 when the replica passes its health checks", labels=["replica"]
+        )
+        breaker = GaugeMetricFamily(
+            "kvlb_replica_breaker_state",
+            "Outlier-ejection breaker per replica: 0 closed, 1 open (ejected), 2 half-open (probing)",
+            labels=["replica"],
+        )
+        ejections = CounterMetricFamily(
+            "kvlb_replica_ejections", "Times live traffic ejected the replica", labels=["replica"]
+        )
+        queued = GaugeMetricFamily(
+            "kvlb_queued_prefill_tokens",
+            "Prompt tokens routed to the replica and not yet past their first token (cache-aware policies)",
+            labels=["replica"],
+        )
+        now = asyncio.get_running_loop().time()
+        for replica in self.fleet.replicas:
+            in_flight.add_metric([replica.name], replica.in_flight)
+            healthy.add_metric([replica.name], 1.0 if replica.healthy else 0.0)
+            breaker.add_metric([replica.name], STATE_VALUES[replica.breaker.state(now)])
+            ejections.add_metric([replica.name], replica.breaker.ejected_total)
+            queued.add_metric([replica.name], replica.prefill_tokens_queued)
+        yield in_flight
+        yield healthy
+        yield breaker
+        yield ejections
+        yield queued

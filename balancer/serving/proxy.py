@@ -1,0 +1,356 @@
+"""Forward one request to the replicas of a ranking, in order, and relay the answer untouched.
+
+Failover happens only before the client has seen a byte: a connect error, no response
+headers within `first_byte_s`, or a 502/503 answer moves the request to the next replica in
+the ranking, never the same one twice. Once the response has started, bytes are relayed as
+they arrive and nothing is retried.
+
+What counts against a replica (balancer/routing/breaker.py) is what the replica did: no connection,
+no answer in time, an invalid or cut answer, 502/503/504, and 500s by success rate. A client
+that stops reading ends its own answer (`timeouts.client_write_s`) and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import orjson
+
+from balancer.config import Settings
+from balancer.errors import ClientError
+from balancer.protocol import REPLICA_HEADER
+from balancer.routing.core import Journey, RoutingCore
+from balancer.routing.fleet import Replica
+from balancer.serving.metrics import Metrics
+from balancer.serving.usage import (
+    CACHED_MARK,
+    META_MARK,
+    USAGE_MARK,
+    TokenCounts,
+    counts_from_sse,
+    counts_of,
+    has_usage,
+    parse_json,
+    usage_from_sse,
+    usage_of,
+)
+from balancer.wire.client import InvalidResponse, UpstreamError, UpstreamPool, UpstreamResponse
+from balancer.wire.relay import StreamRelay
+from balancer.wire.server import ClientStalled, Headers, Request, ResponseStream
+
+log = logging.getLogger("kvlb.proxy")
+
+# RFC 9110 §7.6.1: meaningful only for one connection, never forwarded; Content-Length is
+# recomputed by the side that writes the message.
+RESPONSE_DROP = frozenset(
+    {
+        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+        "te", "trailer", "transfer-encoding", "upgrade", "content-length",
+    }
+)
+# Answers that move a request to the next replica: the replica is down, overloaded or
+# rate-limiting; nothing was generated, so nothing is lost by asking another.
+RETRY_STATUSES = frozenset({429, 502, 503})
+# Relayed answers that are the replica's fault whoever asked: a gateway timeout. Other 5xx
+# (500 above all) may be the request's doing and are judged by success rate.
+FAULT_STATUSES = frozenset({504})
+MAX_RETRY_AFTER_S = 3600.0
+# Bodies this small with a known length are answered in one write; anything else is relayed
+# chunk by chunk so memory stays flat and streams stay live.
+BUFFER_LIMIT_BYTES = 1 << 20
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What happened to one request, for metrics and logs."""
+
+    replica: str = "none"
+    status: int = 0
+    attempts: list[str] = field(default_factory=list)
+    # Set once response headers went to the client: from then on nothing can be retried.
+    stream: ResponseStream | None = None
+    sse: bool = False
+    model: str = ""  # the request's `model`, "" when it names none
+    error: str = ""  # the code of the balancer's own error answer, if it gave one
+    answered: bool = False  # a replica's answer is being (or was) relayed
+    # Loop time when the answer's first byte went to the client (a whole non-streamed answer).
+    first_byte_at: float | None = None
+    # What the replica reported, when it did (read only while the access log is on).
+    tokens: TokenCounts | None = None
+
+
+async def end_broken_response(request: Request, outcome: Outcome, reason: str) -> None:
+    """End a response that started but cannot finish, so that it never looks complete.
+
+    An SSE client gets a final `data: {"error": ...}` event and a clean end of stream; any
+    other body, and any client that has stopped reading (it would never take the event), is
+    cut by closing the connection before its end.
+    """
+    stream = outcome.stream
+    assert stream is not None
+    if outcome.sse and not request.client_stalled:
+        event = {"error": {"message": reason, "type": "upstream_error", "code": "stream_broken"}}
+        with contextlib.suppress(ConnectionError):
+            await stream.write(b"data: " + orjson.dumps(event) + b"\n\n")
+            await stream.end()
+    else:
+        request.abort()
+
+
+def upstream_headers(request: Request, request_id: str, id_header: str) -> Headers:
+    """The client's end-to-end headers, less any the Connection header names, plus the id."""
+    connection = request.header("connection")
+    tokens = {t.strip().lower() for t in connection.split(",")} - {"keep-alive", "close"} if connection else None
+    if tokens:
+        out = [(n, v) for n, v in request.end_to_end_headers if n.lower() not in tokens]
+    else:
+        out = list(request.end_to_end_headers)
+    if request.header(id_header) is not None:
+        out = [(n, v) for n, v in out if n.lower() != id_header]
+    out.append((id_header, request_id))
+    return out
+
+
+def _retry_after_seconds(value: str | None) -> float | None:
+    """Retry-After as seconds (RFC 9110 §10.2.3 delay-seconds; an HTTP date is ignored)."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return min(seconds, MAX_RETRY_AFTER_S) if seconds >= 0 else None
+
+
+class Proxy:
+    """Sends a request to the replicas its journey names, in turn, and relays the answer.
+    Every decision (which replica next, what counts against it, the load and the index) is
+    the routing core's; this class does the I/O and counts what it saw."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        pool: UpstreamPool,
+        core: RoutingCore,
+        replica_authorization: str | None = None,
+    ) -> None:
+        self.replica_authorization = replica_authorization
+        self.settings = settings
+        self.metrics = metrics
+        self.pool = pool
+        self.core = core
+        self.configure(settings)
+
+    def configure(self, settings: Settings) -> None:
+        self.settings = settings
+        self.expose_replica = settings.headers.expose_replica
+        self.id_header = settings.headers.request_id
+        # Token counts are for the access log only: without it, no answer is parsed for them.
+        self.read_usage = settings.logging.access_log
+
+    async def forward(
+        self,
+        request: Request,
+        journey: Journey,
+        request_id: str,
+        outcome: Outcome,
+        extra_headers: Headers | None = None,
+    ) -> None:
+        """`extra_headers` go on the answer."""
+        first_byte_s = self.settings.timeouts.first_byte_s
+        core = self.core
+        headers = upstream_headers(request, request_id, self.id_header)
+        if self.replica_authorization is not None:
+            # The replicas' own key replaces the client's, which then never leaves kvlb.
+            headers = [(n, v) for n, v in headers if n.lower() != "authorization"]
+            headers.append(("Authorization", self.replica_authorization))
+        failures: list[str] = []
+        loop = asyncio.get_running_loop()
+        retry_after: float | None = None
+        outcome.attempts = journey.attempts
+        while (replica := core.next_attempt(journey, loop.time())) is not None:
+            outcome.replica = replica.name
+            resp: UpstreamResponse | None = None
+            answered = False
+            try:
+                try:
+                    resp = await self.pool.request(
+                        replica.url, request.method, request.target, headers, request.body, first_byte_s
+                    )
+                except (TimeoutError, OSError) as exc:
+                    kind = ("timeout" if isinstance(exc, TimeoutError)
+                            else "invalid_response" if isinstance(exc, InvalidResponse) else "connect_error")
+                    failures.append(f"{replica.name}: {kind} ({exc.__class__.__name__})")
+                    self._failed(journey, kind, loop.time())
+                    continue
+                if resp.status in RETRY_STATUSES:
+                    failures.append(f"{replica.name}: HTTP {resp.status}")
+                    wait = _retry_after_seconds(resp.header("Retry-After"))
+                    if wait is not None:
+                        # The replica said when to come back: route elsewhere until then.
+                        core.held_off(journey, loop.time(), wait)
+                        retry_after = wait if retry_after is None else min(retry_after, wait)
+                        self.metrics.count_attempt(replica.name, f"http_{resp.status}")
+                    elif resp.status == 429:
+                        self.metrics.count_attempt(replica.name, "http_429")
+                    else:
+                        self._failed(journey, f"http_{resp.status}", loop.time())
+                    continue
+                outcome.status = resp.status
+                answered = outcome.answered = True
+                # Judged once the answer is through: a cut body is the replica's fault too.
+                fault = await self._relay(request, resp, replica, journey, request_id, outcome, extra_headers)
+                now = loop.time()
+                if fault is not None:
+                    self._failed(journey, fault, now)
+                elif resp.status in FAULT_STATUSES:
+                    self._failed(journey, f"http_{resp.status}", now)
+                else:
+                    self.metrics.count_attempt(replica.name, "ok")
+                    if core.answered(journey, now, resp.status < 500, request.client):
+                        self._ejected(replica, f"success rate (HTTP {resp.status})")
+                return
+            finally:
+                if resp is not None:
+                    resp.close()
+                core.end_attempt(journey, answered=answered)
+        raise ClientError(
+            502,
+            f"all {len(failures)} attempt(s) failed: " + "; ".join(failures),
+            "upstream_failed",
+            type_="upstream_error",
+            retry_after=None if retry_after is None else max(1, round(retry_after)),
+        )
+
+    def _failed(self, journey: Journey, kind: str, now: float) -> None:
+        replica = journey.replica
+        assert replica is not None
+        self.metrics.count_attempt(replica.name, kind)
+        if self.core.failed(journey, now):
+            self._ejected(replica, kind)
+
+    def _ejected(self, replica: Replica, why: str) -> None:
+        log.warning("replica %s ejected after %s (ejection %d in a row)",
+                    replica.name, why, replica.breaker.ejections)
+
+    def _response_headers(
+        self, resp: UpstreamResponse, replica: Replica, request_id: str, extra: Headers | None
+    ) -> Headers:
+        id_header = self.id_header
+        out = [
+            (name, value) for name, value in resp.headers
+            if (lower := name.lower()) not in RESPONSE_DROP and lower != id_header
+        ]
+        out.append((id_header, request_id))
+        if self.expose_replica:
+            out.append((REPLICA_HEADER, replica.name))
+        if extra:
+            out += extra
+        return out
+
+    def _learn(self, journey: Journey, replica: Replica, usage: tuple[int, int] | None) -> None:
+        if usage is None:
+            return
+        lesson = self.core.learn(journey, *usage)
+        if lesson is not None:
+            routed = journey.routed
+            assert routed is not None
+            self.metrics.observe_lesson(
+                replica.name, lesson.predicted, lesson.actual, lesson.corrected, routed.prompt_tokens
+            )
+
+    async def _relay(
+        self,
+        request: Request,
+        resp: UpstreamResponse,
+        replica: Replica,
+        journey: Journey,
+        request_id: str,
+        outcome: Outcome,
+        extra_headers: Headers | None,
+    ) -> str | None:
+        """Relay the answer; returns the replica's fault that broke it, if one did."""
+        idle_s = self.settings.timeouts.stream_idle_s
+        headers = self._response_headers(resp, replica, request_id, extra_headers)
+        routed = journey.routed
+        length = resp.content_length
+        is_sse = (resp.header("Content-Type") or "").startswith("text/event-stream")
+        if length is not None and length <= BUFFER_LIMIT_BYTES and not is_sse:
+            if resp.complete:
+                data = await resp.read(BUFFER_LIMIT_BYTES)  # nothing to wait for, so no timer
+            else:
+                try:
+                    async with asyncio.timeout(idle_s):
+                        data = await resp.read(BUFFER_LIMIT_BYTES)
+                except (UpstreamError, TimeoutError) as exc:
+                    raise self._broken_body(journey, replica, exc, idle_s) from None
+            request.respond(resp.status, headers, data)
+            outcome.first_byte_at = asyncio.get_running_loop().time()
+            read_usage = self.read_usage and has_usage(data)
+            payload = parse_json(data) if read_usage or (routed is not None and CACHED_MARK in data) else None
+            if read_usage:
+                outcome.tokens = counts_of(payload)
+            self.core.first_byte(journey)
+            if routed is not None:
+                self._learn(journey, replica, usage_of(payload))
+            return None
+
+        stream = await request.start_stream(resp.status, headers, length)
+        outcome.stream, outcome.sse = stream, is_sse
+        read_usage = self.read_usage and is_sse
+        # The last chunk with token counts, and the one after it (an event may straddle them):
+        # parsed once, when the stream ends.
+        usage: list[bytes] = []
+        on_chunk = None
+        if read_usage or routed is not None:
+
+            def on_chunk(chunk: bytes) -> None:
+                if read_usage:
+                    if USAGE_MARK in chunk or META_MARK in chunk:
+                        usage[:] = [chunk]
+                    elif len(usage) == 1:
+                        usage.append(chunk)
+                if routed is not None and not routed.learned:
+                    self._learn(journey, replica, usage_from_sse(chunk))
+
+        relay = StreamRelay(stream, resp, asyncio.get_running_loop(), idle_s, on_chunk,
+                            lambda: self.core.first_byte(journey))
+        try:
+            await relay.run()
+        except ClientStalled:
+            log.info("request %s: the client stopped reading; its stream is cut", request_id)
+            self.metrics.count_client_stall(request.path)
+            outcome.error = "client_stalled"
+            request.abort()
+            return None
+        except (UpstreamError, TimeoutError) as exc:
+            log.warning("request %s: stream from %s broke: %r", request_id, replica.name, exc)
+            await end_broken_response(
+                request, outcome, f"the stream from replica {replica.name} broke: {exc.__class__.__name__}"
+            )
+            return "broken_stream"
+        except ConnectionError:
+            request.abort()  # the client went away while being written to
+            return None
+        finally:
+            outcome.first_byte_at = relay.first_at
+            if usage:
+                outcome.tokens = counts_from_sse(b"".join(usage))
+        await stream.end()
+        return None
+
+    def _broken_body(self, journey: Journey, replica: Replica, exc: Exception, idle_s: float) -> ClientError:
+        """A whole answer the replica cut or stalled before the client saw any of it."""
+        now = asyncio.get_running_loop().time()
+        if isinstance(exc, TimeoutError):
+            self._failed(journey, "timeout", now)
+            return ClientError(
+                504, f"replica {replica.name} stopped sending its answer for timeouts.stream_idle_s "
+                     f"({idle_s} s)", "timeout", type_="upstream_error")
+        self._failed(journey, "broken_body", now)
+        return ClientError(502, f"replica {replica.name} cut its answer short: {exc}",
+                           "upstream_failed", type_="upstream_error")

@@ -1,0 +1,177 @@
+"""Per-request records and the summary statistics of one run.
+
+Shared by the live load client (`loadtest.client.runner`) and the offline fleet simulator, so a live
+run and a simulated one produce the same `requests.jsonl` and `summary.json`. All times are
+model time: a live run against a replica sped up by its time scale reports what the modelled
+GPUs would have taken.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    index: int
+    send_s: float
+    status: int
+    error: str | None
+    replica: str | None
+    session: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    ttft_s: float | None
+    e2e_s: float | None
+    tpot_s: float | None
+    itl_s: list[float] = field(default_factory=list)
+    # The routing's predicted hit on the replica that served it, in the replica's tokens;
+    # None where nothing was predicted (a policy blind to the prompt, a live run).
+    predicted_cached_tokens: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and 200 <= self.status < 300
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _FIELDS}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RequestRecord:
+        values = {name: data[name] for name in _FIELDS if name in data}
+        values["itl_s"] = list(values.get("itl_s") or ())
+        return cls(**values)
+
+
+_FIELDS = tuple(f.name for f in fields(RequestRecord))
+
+
+def percentile(sorted_values: Sequence[float], p: float) -> float | None:
+    """Nearest rank: the smallest value with at least p% of the values at or below it."""
+    if not sorted_values:
+        return None
+    rank = max(1, math.ceil(p / 100.0 * len(sorted_values)))
+    return sorted_values[min(rank, len(sorted_values)) - 1]
+
+
+def _present(values: Iterable[float | None]) -> list[float]:
+    return sorted(v for v in values if v is not None)
+
+
+def summarize(
+    records: Sequence[RequestRecord],
+    duration_s: float,
+    *,
+    replicas: Sequence[str] = (),
+    meta: Mapping[str, Any] | None = None,
+    block_size: int = 16,
+) -> dict[str, Any]:
+    """`block_size` is the engines' KV block in tokens: a prediction off by less than one
+    block is as right as a block-granular cache lets it be."""
+    ok = [r for r in records if r.ok]
+    errors = [r for r in records if not r.ok]
+    error_kinds = Counter(r.error or f"HTTP {r.status}" for r in errors)
+
+    ttft = _present(r.ttft_s for r in ok)
+    tpot = _present(r.tpot_s for r in ok)
+    e2e = _present(r.e2e_s for r in ok)
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    output = sum(r.output_tokens for r in ok)
+    predicted = [r for r in ok if r.predicted_cached_tokens is not None]
+    within_block = sum(abs(r.predicted_cached_tokens - r.cached_tokens) <= block_size for r in predicted)  # type: ignore[operator]
+
+    per_replica: dict[str, int] = dict.fromkeys(replicas, 0)
+    for r in ok:
+        if r.replica is not None:
+            per_replica[r.replica] = per_replica.get(r.replica, 0) + 1
+    counts = list(per_replica.values())
+    ratio = max(counts) / min(counts) if counts and min(counts) > 0 else None
+
+    def rate(amount: float) -> float:
+        return amount / duration_s if duration_s > 0 else 0.0
+
+    summary: dict[str, Any] = {
+        "requests": len(records),
+        "errors": len(errors),
+        "error_kinds": dict(error_kinds.most_common()),
+        "duration_s": duration_s,
+        "throughput": {"requests_per_s": rate(len(ok)), "output_tokens_per_s": rate(output)},
+        "ttft_s": {
+            "mean": sum(ttft) / len(ttft) if ttft else None,
+            "p50": percentile(ttft, 50),
+            "p90": percentile(ttft, 90),
+            "p99": percentile(ttft, 99),
+        },
+        "tpot_s": {"p50": percentile(tpot, 50), "p99": percentile(tpot, 99)},
+        "e2e_s": {"p50": percentile(e2e, 50), "p99": percentile(e2e, 99)},
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "output_tokens": output,
+        "cache_hit_ratio": cached / prompt if prompt else 0.0,
+        "predicted_within_one_block": within_block / len(predicted) if predicted else None,
+        "requests_per_replica": dict(sorted(per_replica.items())),
+        "replica_max_min_ratio": ratio,
+    }
+    # The statistics keep their meaning whatever a caller passes along with them.
+    for key, value in (meta or {}).items():
+        summary.setdefault(key, value)
+    return summary
+
+
+def error_digest(summary: Mapping[str, Any]) -> str:
+    """The commonest error kinds, for a one-line message."""
+    return "; ".join(f"{n}x {kind}" for kind, n in list(summary["error_kinds"].items())[:3])
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f} ms"
+
+
+def format_summary(summary: Mapping[str, Any]) -> str:
+    """A few lines for people: counts, latency percentiles, cache hits, spread."""
+    ttft, tpot = summary["ttft_s"], summary["tpot_s"]
+    errors = summary["errors"]
+    lines = [
+        f"{summary['requests']} requests, {errors} errors"
+        + (f" ({error_digest(summary)})" if errors else "")
+        + f", {summary['duration_s']:.2f} s model time"
+        + (f" (time scale {scale:g})" if (scale := summary.get("time_scale")) else ""),
+        f"TTFT p50 {_ms(ttft['p50'])}, p99 {_ms(ttft['p99'])}; TPOT p50 {_ms(tpot['p50'])}; "
+        f"cache hit ratio {summary['cache_hit_ratio']:.3f}",
+    ]
+    per_replica = summary["requests_per_replica"]
+    if per_replica:
+        lines.append("per replica: " + ", ".join(f"{k}={v}" for k, v in per_replica.items()))
+    return "\n".join(lines)
+
+
+def write_results(
+    out_dir: Path, records: Iterable[RequestRecord], summary: Mapping[str, Any]
+) -> None:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "requests.jsonl", "wb") as f:
+        for record in records:
+            f.write(orjson.dumps(record.to_json()) + b"\n")
+    (out_dir / "summary.json").write_bytes(
+        orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS) + b"\n"
+    )
+
+
+def with_replica_counts(summary: dict[str, Any], counts: Mapping[str, int], source: str) -> dict[str, Any]:
+    """Requests per replica from elsewhere (the replicas' own counters), for a target that
+    does not say which replica served each request."""
+    summary["requests_per_replica"] = dict(sorted(counts.items()))
+    values = list(counts.values())
+    summary["replica_max_min_ratio"] = max(values) / min(values) if values and min(values) > 0 else None
+    summary["requests_per_replica_source"] = source
+    return summary

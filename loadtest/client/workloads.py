@@ -1,0 +1,475 @@
+"""Workloads for the load generator and the routing simulator: trace readers and generators.
+
+A workload is a list of requests, sorted by arrival time, each of which builds its OpenAI
+request body on demand. Prompts are made of whitespace-separated words, because the simulated
+replica counts one token per word (loadtest/replica/tokens.py): a request asks for exactly the
+prompt tokens its trace or spec says, and text that two requests share is shared token for token.
+Every word run starts with a word of its own (such as `h17` for hash id 17) followed by words
+drawn from a small vocabulary by a generator seeded with that word, so equal runs are equal and
+different runs differ from their first word on.
+
+Spec: `KIND[:PATH][,key=value]...`, for example
+
+    mooncake:loadtest/data/mooncake_synthetic_trace.jsonl,speedup=4,limit=300
+    shared-prefix,groups=8,prompts_per_group=16,rate=4
+
+Keys of every kind:
+    speedup=1       divide all arrival times (and so every gap) by this factor
+    limit=N         keep only the first N requests by arrival time (default: all)
+    rate=R          trace kinds: replace the trace's arrival times by Poisson arrivals at R
+                    requests/s, keeping the trace's order (default: keep the trace's times)
+    seed=0          seed of Poisson arrivals, shuffles, tenant draws and generated text
+
+mooncake:PATH   Mooncake JSONL trace, one object per line: `timestamp` (ms), `input_length`,
+                `output_length` (tokens), `hash_ids` (one id per block of the prompt; equal ids
+                at position i mean an equal prefix up to block i). Completions. Block i of the
+                prompt is the text of hash_ids[i]; the last block is cut to fit input_length,
+                blocks beyond hash_ids get ids private to the request and ids beyond
+                input_length are ignored. Arrival = timestamp / 1000. Output length 0 asks
+                for 1 token.
+    block_size=512      tokens per hash id (16 for the Qwen-Bailian traces)
+    on_error=skip       skip: a malformed line is reported in `warnings` and skipped;
+                        fail: it raises WorkloadError naming file:line
+
+azure:PATH      Azure LLM inference trace CSV with columns `TIMESTAMP` (a datetime such as
+                `2023-11-16 18:15:46.6805900`, or seconds), `ContextTokens`, `GeneratedTokens`.
+                Completions; every prompt is unique from its first word on. Arrival times are
+                relative to the earliest row.
+    on_error=skip       as for mooncake
+
+shared-prefix   SGLang's generated-shared-prefix benchmark: `groups` system prompts, each
+                followed by `prompts_per_group` questions; completions, prompt = system + " " +
+                question. Requests are shuffled and arrive as a Poisson process.
+                Session `group-G`.
+    groups=64  prompts_per_group=16  system_tokens=2048  question_tokens=128
+    output_tokens=256  rate=4 (requests/s)
+
+multi-turn      Chat sessions of `turns` user turns on a system prompt. Turn k sends the system
+                prompt, the k-1 earlier user turns each followed by the exact filler reply the
+                simulated replica generates for `output_tokens`, and user turn k, so each turn
+                extends the previous one's tokens. Sessions start as a Poisson process; turn k
+                of a session is sent k * think_s after its first turn (an open-loop schedule, not
+                waiting for replies). Session `session-S`.
+    sessions=32  turns=6  system_tokens=1024  user_tokens=128  output_tokens=128
+    think_s=5  rate=1 (sessions/s)
+    shared_system=false     true: all sessions share one system prompt; false: one each
+
+multi-tenant    `tenants` long system prompts; each request picks a tenant with Zipf popularity
+                (tenant T has weight 1 / (T + 1) ** zipf, so tenant 0 is the most popular) and
+                asks a question of its own. Requests arrive as a Poisson process.
+                Session `tenant-T`.
+    tenants=16  zipf=1.1  system_tokens=3000  question_tokens=128  output_tokens=128
+    requests=1000  rate=8 (requests/s)
+    route=completions       completions: prompt = system + " " + question;
+                            chat: a system message and a user message
+
+Poisson arrivals start at 0 s. Token counts (`*_tokens`) are words; a chat prompt costs its
+words plus one token per message plus one, as the replica's chat template does.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import functools
+import json
+import math
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from loadtest.replica.tokens import output_text
+
+ROUTE_CHAT = "/v1/chat/completions"
+ROUTE_COMPLETIONS = "/v1/completions"
+
+# (tag, words): `words` words of text starting with `tag`; the empty tag stands for the filler
+# reply the simulated replica generates for that many tokens.
+Segment = tuple[str, int]
+
+_VOCAB = tuple(
+    "able acid aged also area army away baby back ball band bank base bath bear beat bell belt "
+    "bird blow blue boat body bone book boot born boss both bowl bulk burn bush busy call calm "
+    "came camp card care case cash cast cell chat chip city club coal coat code cold come cook "
+    "cool cope copy core cost crew crop dark data date".split()
+)
+# One random byte picks a word; 256 / 64 is whole, so every word is equally likely.
+_BYTE_WORDS = _VOCAB * (256 // len(_VOCAB))
+
+
+class WorkloadError(ValueError):
+    """Bad spec or bad trace file; message says what and where (file:line)."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _segment_text(salt: str, tag: str, words: int) -> str:
+    if not tag:
+        return output_text(words)
+    rest = words - 1
+    if rest <= 0:
+        return tag
+    # randbytes emits whole 32-bit outputs in order, so asking for a multiple of 4 bytes makes
+    # a shorter run of a tag the prefix of a longer one (a trace's cut last block).
+    raw = random.Random(f"{salt}/{tag}").randbytes((rest + 3) // 4 * 4)
+    return tag + " " + " ".join(map(_BYTE_WORDS.__getitem__, raw[:rest]))
+
+
+def _text(segments: tuple[Segment, ...], salt: str) -> str:
+    return " ".join([_segment_text(salt, tag, words) for tag, words in segments])
+
+
+@dataclass(frozen=True, slots=True)
+class WorkRequest:
+    """One request of a workload. It keeps a recipe, not its text: payload() builds the body."""
+
+    index: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    session: str | None
+    route: str
+    # Chat: (role, segments) per message. Completions: one ("", segments) for the prompt.
+    _parts: tuple[tuple[str, tuple[Segment, ...]], ...] = field(default=(), repr=False)
+    _salt: str = field(default="", repr=False)
+
+    def payload(self, model: str | None = None, stream: bool = True) -> dict:
+        """The OpenAI JSON body for this request, built fresh from its recipe."""
+        body: dict[str, Any] = {} if model is None else {"model": model}
+        if self.route == ROUTE_CHAT:
+            body["messages"] = [
+                {"role": role, "content": _text(segments, self._salt)}
+                for role, segments in self._parts
+            ]
+        else:
+            body["prompt"] = _text(self._parts[0][1], self._salt)
+        body["max_tokens"] = self.output_tokens
+        body["stream"] = stream
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        # vLLM/SGLang extension: a real engine then generates exactly max_tokens, like the replica.
+        body["ignore_eos"] = True
+        return body
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests sorted by arrival time, indexed 0..n-1, and the trace lines that were skipped."""
+
+    spec: str
+    description: str
+    requests: tuple[WorkRequest, ...]
+    seed: int
+    warnings: tuple[str, ...]
+
+
+class _BadRow(Exception):
+    pass
+
+
+def _poisson(rng: random.Random, count: int, rate: float) -> list[float]:
+    times, now = [], 0.0
+    for _ in range(count):
+        times.append(now)
+        now += rng.expovariate(rate)
+    return times
+
+
+def _collect(
+    path: str, rows: Iterable[tuple[int, Any]], parse: Callable[[int, Any], WorkRequest],
+    on_error: str,
+) -> tuple[list[WorkRequest], list[str]]:
+    drafts: list[WorkRequest] = []
+    warnings: list[str] = []
+    for lineno, row in rows:
+        try:
+            drafts.append(parse(lineno, row))
+        except _BadRow as e:
+            if on_error == "fail":
+                raise WorkloadError(f"{path}:{lineno}: {e}") from None
+            warnings.append(f"{path}:{lineno}: skipped: {e}")
+    return drafts, warnings
+
+
+def _open(path: str, mode: str, **kwargs: Any) -> Any:
+    try:
+        return open(path, mode, **kwargs)
+    except OSError as e:
+        raise WorkloadError(f"{path}: cannot open trace: {e.strerror or e}") from None
+
+
+def _whole(value: Any, key: str, low: int) -> int:
+    # bool is an int in Python but never a length.
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise _BadRow(f"{key!r} must be a {'positive' if low else 'non-negative'} integer")
+    return value
+
+
+def _read_mooncake(path: str, opts: dict, rng: random.Random) -> tuple[str, list, list]:
+    block = opts["block_size"]
+
+    def parse(lineno: int, raw: bytes) -> WorkRequest:
+        try:
+            record = json.loads(raw)
+        except ValueError as e:
+            raise _BadRow(f"invalid JSON ({e})") from None
+        if not isinstance(record, dict):
+            raise _BadRow("expected a JSON object")
+        for key in ("timestamp", "input_length", "output_length", "hash_ids"):
+            if key not in record:
+                raise _BadRow(f"missing {key!r}")
+        stamp, ids = record["timestamp"], record["hash_ids"]
+        # type() rather than isinstance(): a bool is an int in Python but never a time or an id.
+        if type(stamp) not in (int, float) or not 0 <= stamp < math.inf:
+            raise _BadRow("'timestamp' must be a non-negative number of milliseconds")
+        prompt = _whole(record["input_length"], "input_length", 1)
+        output = max(1, _whole(record["output_length"], "output_length", 0))
+        if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
+            raise _BadRow("'hash_ids' must be a list of non-negative integers")
+        # Private ids take a prefix no real id has and the line number no other request has.
+        segments = tuple(
+            (f"h{ids[b]}" if b < len(ids) else f"p{lineno}.{b}", min(block, prompt - b * block))
+            for b in range(-(-prompt // block))
+        )
+        return WorkRequest(0, stamp / 1000, prompt, output, None, ROUTE_COMPLETIONS,
+                           (("", segments),))
+
+    with _open(path, "rb") as file:
+        rows = ((n, raw) for n, raw in enumerate(file, 1) if raw.strip())
+        drafts, warnings = _collect(path, rows, parse, opts["on_error"])
+    return f"mooncake trace {path}", drafts, warnings
+
+
+def _azure_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        moment = datetime.fromisoformat(text.strip())
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=UTC)
+        return moment.timestamp()
+    if not math.isfinite(seconds):
+        raise ValueError("not finite")
+    return seconds
+
+
+def _csv_int(row: dict, key: str, low: int) -> int:
+    try:
+        return _whole(int(row[key]), key, low)
+    except (TypeError, ValueError):
+        return _whole(None, key, low)
+
+
+_AZURE_COLUMNS = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
+
+
+def _read_azure(path: str, opts: dict, rng: random.Random) -> tuple[str, list, list]:
+    def parse(lineno: int, row: dict) -> WorkRequest:
+        try:
+            stamp = _azure_seconds(row["TIMESTAMP"] or "")
+        except ValueError:
+            raise _BadRow(f"bad 'TIMESTAMP' {row['TIMESTAMP']!r}") from None
+        prompt = _csv_int(row, "ContextTokens", 1)
+        output = max(1, _csv_int(row, "GeneratedTokens", 0))
+        return WorkRequest(0, stamp, prompt, output, None, ROUTE_COMPLETIONS,
+                           (("", ((f"a{lineno}", prompt),)),))
+
+    with _open(path, "r", encoding="utf-8", newline="") as file:
+        reader = csv.DictReader(file)
+        try:
+            missing = _AZURE_COLUMNS - set(reader.fieldnames or ())
+            if missing:
+                raise WorkloadError(f"{path}:1: missing columns {', '.join(sorted(missing))}")
+            rows = ((reader.line_num, row) for row in reader)
+            drafts, warnings = _collect(path, rows, parse, opts["on_error"])
+        except (csv.Error, UnicodeDecodeError) as e:
+            raise WorkloadError(f"{path}:{reader.line_num}: unreadable CSV ({e})") from None
+    start = min((d.arrival_s for d in drafts), default=0.0)
+    drafts = [dataclasses.replace(d, arrival_s=d.arrival_s - start) for d in drafts]
+    return f"azure trace {path}", drafts, warnings
+
+
+def _shared_prefix(path: str | None, o: dict, rng: random.Random) -> tuple[str, list, list]:
+    system, question, output = o["system_tokens"], o["question_tokens"], o["output_tokens"]
+    pairs = [(g, i) for g in range(o["groups"]) for i in range(o["prompts_per_group"])]
+    rng.shuffle(pairs)
+    drafts = [
+        WorkRequest(0, at, system + question, output, f"group-{g}", ROUTE_COMPLETIONS,
+                    (("", ((f"sp{g}", system), (f"sp{g}.{i}", question))),), str(o["seed"]))
+        for at, (g, i) in zip(_poisson(rng, len(pairs), o["rate"]), pairs, strict=True)
+    ]
+    what = (f"shared-prefix: {o['groups']} groups x {o['prompts_per_group']} prompts, "
+            f"system {system} + question {question} words, output {output}")
+    return what, drafts, []
+
+
+def _multi_turn(path: str | None, o: dict, rng: random.Random) -> tuple[str, list, list]:
+    system, user, output = o["system_tokens"], o["user_tokens"], o["output_tokens"]
+    drafts = []
+    for s, start in enumerate(_poisson(rng, o["sessions"], o["rate"])):
+        messages = [("system", (("mt" if o["shared_system"] else f"mt{s}", system),))]
+        for k in range(o["turns"]):
+            if k:
+                messages.append(("assistant", (("", output),)))
+            messages.append(("user", ((f"mt{s}.{k}", user),)))
+            words = system + (k + 1) * user + k * output
+            drafts.append(WorkRequest(
+                0, start + k * o["think_s"], words + len(messages) + 1, output, f"session-{s}",
+                ROUTE_CHAT, tuple(messages), str(o["seed"]),
+            ))
+    what = (f"multi-turn: {o['sessions']} sessions x {o['turns']} turns, system {system} words "
+            f"({'shared' if o['shared_system'] else 'per session'}), user {user}, "
+            f"output {output}, think {o['think_s']:g} s")
+    return what, drafts, []
+
+
+def _multi_tenant(path: str | None, o: dict, rng: random.Random) -> tuple[str, list, list]:
+    system, question, output = o["system_tokens"], o["question_tokens"], o["output_tokens"]
+    count, chat = o["requests"], o["route"] == "chat"
+    weights = [1 / (t + 1) ** o["zipf"] for t in range(o["tenants"])]
+    tenants = rng.choices(range(o["tenants"]), weights=weights, k=count)
+    drafts = []
+    for r, (t, at) in enumerate(zip(tenants, _poisson(rng, count, o["rate"]), strict=True)):
+        head, tail = (f"tn{t}", system), (f"tn{t}.{r}", question)
+        if chat:
+            parts, tokens = (("system", (head,)), ("user", (tail,))), system + question + 3
+        else:
+            parts, tokens = (("", (head, tail)),), system + question
+        drafts.append(WorkRequest(0, at, tokens, output, f"tenant-{t}",
+                                  ROUTE_CHAT if chat else ROUTE_COMPLETIONS, parts, str(o["seed"])))
+    what = (f"multi-tenant: {o['tenants']} tenants (zipf {o['zipf']:g}), system {system} + "
+            f"question {question} words, output {output}, {o['route']}")
+    return what, drafts, []
+
+
+def _integer(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError("not an integer") from None
+        if value < low:
+            raise ValueError(f"must be at least {low}")
+        return value
+    return parse
+
+
+def _number(positive: bool) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError("not a number") from None
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise ValueError("must be a positive number" if positive else "must be >= 0")
+        return value
+    return parse
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in allowed:
+            raise ValueError(f"must be one of {', '.join(allowed)}")
+        return text
+    return parse
+
+
+def _boolean(text: str) -> bool:
+    if text.lower() in ("true", "yes", "1"):
+        return True
+    if text.lower() in ("false", "no", "0"):
+        return False
+    raise ValueError("must be true or false")
+
+
+_COUNT, _RATE = _integer(1), _number(True)
+_Option = tuple[Callable[[str], Any], Any]
+_COMMON: dict[str, _Option] = {
+    "speedup": (_RATE, 1.0), "limit": (_COUNT, None), "rate": (_RATE, None),
+    "seed": (_integer(0), 0),
+}
+_ON_ERROR: _Option = (_choice("skip", "fail"), "skip")
+_Builder = Callable[[Any, dict, random.Random], tuple[str, list, list]]
+_KINDS: dict[str, tuple[_Builder, bool, dict[str, _Option]]] = {
+    "mooncake": (_read_mooncake, True, {"block_size": (_COUNT, 512), "on_error": _ON_ERROR}),
+    "azure": (_read_azure, True, {"on_error": _ON_ERROR}),
+    "shared-prefix": (_shared_prefix, False, {
+        "groups": (_COUNT, 64), "prompts_per_group": (_COUNT, 16),
+        "system_tokens": (_COUNT, 2048), "question_tokens": (_COUNT, 128),
+        "output_tokens": (_COUNT, 256), "rate": (_RATE, 4.0),
+    }),
+    "multi-turn": (_multi_turn, False, {
+        "sessions": (_COUNT, 32), "turns": (_COUNT, 6), "system_tokens": (_COUNT, 1024),
+        "user_tokens": (_COUNT, 128), "output_tokens": (_COUNT, 128),
+        "think_s": (_number(False), 5.0), "rate": (_RATE, 1.0),
+        "shared_system": (_boolean, False),
+    }),
+    "multi-tenant": (_multi_tenant, False, {
+        "tenants": (_COUNT, 16), "zipf": (_number(False), 1.1),
+        "system_tokens": (_COUNT, 3000), "question_tokens": (_COUNT, 128),
+        "output_tokens": (_COUNT, 128), "requests": (_COUNT, 1000), "rate": (_RATE, 8.0),
+        "route": (_choice("completions", "chat"), "completions"),
+    }),
+}
+
+
+def _parse_spec(spec: str) -> tuple[str, str | None, dict[str, Any]]:
+    head, *items = [part.strip() for part in spec.split(",")]
+    name, colon, path = head.partition(":")
+    name, path = name.strip(), path.strip()
+    if name not in _KINDS:
+        raise WorkloadError(
+            f"workload {spec!r}: unknown kind {name!r} (one of {', '.join(_KINDS)})")
+    _, trace, options = _KINDS[name]
+    if trace and not path:
+        raise WorkloadError(f"workload {spec!r}: {name} needs a trace file ({name}:PATH)")
+    if not trace and colon:
+        raise WorkloadError(f"workload {spec!r}: {name} takes no file")
+    table = {**_COMMON, **options}
+    opts = {key: default for key, (_, default) in table.items()}
+    given: set[str] = set()
+    for item in items:
+        key, equals, value = (s.strip() for s in item.partition("="))
+        if not equals or not key:
+            raise WorkloadError(f"workload {spec!r}: expected key=value, got {item!r}")
+        if key not in table:
+            raise WorkloadError(f"workload {spec!r}: unknown key {key!r} for {name} "
+                                f"(known: {', '.join(sorted(table))})")
+        if key in given:
+            raise WorkloadError(f"workload {spec!r}: {key} given twice")
+        given.add(key)
+        try:
+            opts[key] = table[key][0](value)
+        except ValueError as e:
+            raise WorkloadError(f"workload {spec!r}: {key}={value!r}: {e}") from None
+    return name, path if trace else None, opts
+
+
+def load_workload(spec: str) -> Workload:
+    """Build the workload a spec describes (grammar and keys in this module's docstring)."""
+    name, path, opts = _parse_spec(spec)
+    build, trace, _ = _KINDS[name]
+    rng = random.Random(opts["seed"])
+    what, drafts, warnings = build(path, opts, rng)
+    if not drafts:
+        raise WorkloadError(f"workload {spec!r}: no requests")
+    # sorted() is stable, so requests at the same time keep the file's or generator's order.
+    drafts = sorted(drafts, key=lambda d: d.arrival_s)[: opts["limit"]]
+    arrivals = [d.arrival_s for d in drafts]
+    notes = []
+    if trace and opts["rate"] is not None:
+        arrivals = _poisson(rng, len(drafts), opts["rate"])
+        notes.append(f"Poisson {opts['rate']:g} req/s")
+    if opts["speedup"] != 1:
+        arrivals = [at / opts["speedup"] for at in arrivals]
+        notes.append(f"speed-up {opts['speedup']:g}")
+    if warnings:
+        notes.append(f"{len(warnings)} lines skipped")
+    requests = tuple(
+        dataclasses.replace(d, index=i, arrival_s=at)
+        for i, (d, at) in enumerate(zip(drafts, arrivals, strict=True))
+    )
+    description = f"{what}: {len(requests)} requests over {arrivals[-1]:.1f} s"
+    return Workload(spec, ", ".join([description, *notes]), requests, opts["seed"],
+                    tuple(warnings))

@@ -1,0 +1,185 @@
+"""`kvlb compare`: every policy on the same workload, side by side, in one report.
+
+Offline by default (the simulator, seconds per policy). `--live` runs each policy through
+real processes: fresh simulated replicas per policy, so no run inherits another's warm
+caches, and kvlb in front. `--external NAME=COMMAND` adds another router started from a
+command template pointed at the same kind of fresh replicas (see LiveFleet.start_external).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from loadtest.client.summary import RequestRecord, summarize, with_replica_counts, write_results
+from loadtest.client.workloads import Workload
+from loadtest.compare.livefleet import LiveFleet
+from loadtest.compare.report import against_baseline, table, write_report
+from loadtest.simulator.cli import (
+    PRECISE_HELP,
+    SetupError,
+    add_fleet_arguments,
+    fleet_from_args,
+    policy_settings,
+    run_offline,
+    workload_from_args,
+)
+from loadtest.simulator.fleetspec import FleetPlan
+
+HELP = "compare routing policies on one workload (offline by default) and write report.md"
+Results = dict[str, tuple[dict[str, Any], list[RequestRecord]]]
+
+
+def compare_offline(
+    workload: Workload, fleet: FleetPlan, policies: list[str], out_dir: Path, seed: int = 0,
+    policy_config: str | None = None, progress: bool = True, precise: bool = False,
+) -> Results:
+    """`precise` applies to the cache-aware policies (those that read the prompt)."""
+    results: Results = {}
+    for name in policies:
+        policy, routing = policy_settings(name, policy_config, seed)
+        results[name] = run_offline(
+            workload, fleet, policy, routing, out_dir / name, progress=progress, precise=precise
+        )
+    return results
+
+
+async def compare_live(
+    workload: Workload, policies: list[str], out_dir: Path, *, replicas: int, profile: str,
+    time_scale: float, seed: int = 0, externals: dict[str, str] | None = None,
+    policy_config: str | None = None, timeout_s: float = 300.0, progress: bool = True,
+    replica_args: list[str] | None = None,
+) -> Results:
+    from loadtest.client.runner import run_load
+
+    results: Results = {}
+    runs: list[tuple[str, str | None]] = [(name, None) for name in policies]
+    runs += list((externals or {}).items())
+    async with LiveFleet(replicas, profile, time_scale, replica_args=replica_args or ()) as fleet:
+        for name, command in runs:
+            await fleet.start_replicas()
+            if command is None:
+                policy, routing = policy_settings(name, policy_config, seed)
+                target = await fleet.start_kvlb(name, dict(policy.params), seed, dataclasses.asdict(routing))
+            else:
+                target = await fleet.start_external(command)
+            if progress:
+                print(f"  {name}: {len(workload.requests)} requests live through {target}", file=sys.stderr)
+            try:
+                records, meta = await run_load(
+                    target, workload.requests, model=fleet.model, time_scale=time_scale,
+                    timeout_s=timeout_s, progress=progress,
+                )
+            finally:
+                fleet.stop_router()
+            meta.update({
+                "mode": "live", "policy": name, "workload": workload.spec,
+                "workload_description": workload.description,
+                "fleet": f"{replicas} x {profile} (simulated replica processes, time scale {time_scale:g})",
+                "replicas": replicas, "seed": seed, "target": command or "kvlb",
+            })
+            duration = meta.pop("duration_s")
+            summary = summarize(records, duration, replicas=fleet.replica_names, meta=meta)
+            if all(record.replica is None for record in records):
+                # A router that does not name the serving replica: ask the replicas instead.
+                with_replica_counts(summary, await fleet.replica_request_counts(), "replica metrics")
+            write_results(out_dir / name, records, summary)
+            results[name] = (summary, records)
+    return results
+
+
+def finish(results: Results, out_dir: Path, *, workload: Workload, fleet: str, seed: int, mode: str, command: str) -> Path:
+    summaries = {name: summary for name, (summary, _) in results.items()}
+    records = {name: recs for name, (_, recs) in results.items()}
+    return write_report(
+        out_dir, summaries, records, workload=f"{workload.description} (`{workload.spec}`)",
+        fleet=fleet, seed=seed, mode=mode, command=command,
+    )
+
+
+def print_comparison(results: Results) -> None:
+    summaries = {name: summary for name, (summary, _) in results.items()}
+    print(table(summaries), end="")
+    for line in against_baseline(summaries):
+        print(line.replace("**", ""))
+
+
+def _external(text: str) -> tuple[str, str]:
+    name, sep, command = text.partition("=")
+    if not sep or not name or not command.strip():
+        raise argparse.ArgumentTypeError("expected NAME=COMMAND")
+    return name, command
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("compare", help=HELP, description=HELP)
+    parser.add_argument("--workload", required=True, help="workload spec (see loadtest/client/workloads.py)")
+    parser.add_argument("--policies", default="random,round_robin,least_load,cache_aware",
+                        help="comma-separated policy names (default: %(default)s)")
+    parser.add_argument("--policy-config", help="kvlb config whose policy params apply to that policy")
+    parser.add_argument("--live", action="store_true", help="through real replica and kvlb processes")
+    parser.add_argument("--external", action="append", type=_external, default=[], metavar="NAME=COMMAND",
+                        help="another router for live runs; COMMAND may use {port}, {workers}, {workers_csv}")
+    parser.add_argument("--time-scale", type=float, default=10.0, help="live replicas' speed-up (default 10)")
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="live: per-request deadline, real seconds")
+    parser.add_argument("--precise", action="store_true", help=PRECISE_HELP + "; offline only (refused with --live)")
+    parser.add_argument("--seed", type=int, default=0, help="policies' random seed")
+    parser.add_argument("--out", required=True, help="directory for report.md, plots and per-run results")
+    parser.add_argument("--no-progress", action="store_true")
+    add_fleet_arguments(parser)
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    out_dir = Path(args.out)
+    command = "kvlb compare " + shlex.join(sys.argv[2:]) if len(sys.argv) > 2 else "kvlb compare"
+    try:
+        if args.external and not args.live:
+            raise SetupError("--external needs --live")
+        if args.live and args.precise:
+            raise SetupError("--precise is offline only: a live run's kvlb predicts the cache")
+        if args.live and args.fleet:
+            raise SetupError("--live starts identical replicas: use --replicas and --profile, not --fleet")
+        workload = workload_from_args(args.workload)
+        for name in policies:
+            policy_settings(name, args.policy_config, args.seed)
+        from policies.registry import make_policy
+
+        for name in policies:
+            make_policy(name)
+        fleet = None if args.live else fleet_from_args(args)
+    except (SetupError, ValueError) as exc:
+        print(f"kvlb compare: {exc}", file=sys.stderr)
+        return 2
+    progress = not args.no_progress
+    if args.live:
+        replica_args = []
+        if args.kv_capacity_tokens:
+            replica_args += ["--kv-capacity-tokens", str(args.kv_capacity_tokens)]
+        if args.context_limit != 131072:
+            replica_args += ["--context-limit", str(args.context_limit)]
+        results = asyncio.run(compare_live(
+            workload, policies, out_dir, replicas=args.replicas, profile=args.profile,
+            time_scale=args.time_scale, seed=args.seed, externals=dict(args.external),
+            policy_config=args.policy_config, timeout_s=args.timeout_s, progress=progress,
+            replica_args=replica_args,
+        ))
+        fleet_text = f"{args.replicas} x {args.profile} (simulated replica processes, time scale {args.time_scale:g})"
+        mode = "live"
+    else:
+        assert fleet is not None
+        results = compare_offline(
+            workload, fleet, policies, out_dir, args.seed, args.policy_config, progress, precise=args.precise
+        )
+        fleet_text = fleet.description
+        mode = "offline (kvlb simulate, precise mode)" if args.precise else "offline (kvlb simulate)"
+    report = finish(results, out_dir, workload=workload, fleet=fleet_text, seed=args.seed, mode=mode, command=command)
+    print_comparison(results)
+    print(f"report: {report}")
+    return 0

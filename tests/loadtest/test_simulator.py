@@ -1,0 +1,172 @@
+"""The offline fleet simulator: deterministic, faithful to its engines, and routing as kvlb does."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import orjson
+import pytest
+
+from balancer.config import PolicySettings
+from loadtest.client.summary import summarize
+from loadtest.client.workloads import load_workload
+from loadtest.simulator.fleetspec import FleetError, parse_fleet, uniform_fleet
+from loadtest.simulator.simulator import Simulator, simulate
+
+SHARED = "shared-prefix,groups=6,prompts_per_group=12,system_tokens=1500,question_tokens=60,output_tokens=40,rate=6"
+
+
+def run(spec: str, policy: str, replicas: int = 4, seed: int = 0, **kwargs):
+    workload = load_workload(spec)
+    sim = Simulator(uniform_fleet(replicas), PolicySettings(name=policy, seed=seed), **kwargs)
+    result = sim.run(workload.requests)
+    return result, summarize(result.records, result.duration_s, replicas=result.replicas)
+
+
+def test_same_seed_same_summary_and_records():
+    first, first_summary = run(SHARED, "random", seed=3)
+    second, second_summary = run(SHARED, "random", seed=3)
+    assert first_summary == second_summary
+    assert [r.to_json() for r in first.records] == [r.to_json() for r in second.records]
+    _, other = run(SHARED, "random", seed=4)
+    assert other["requests_per_replica"] != first_summary["requests_per_replica"]
+
+
+def test_decode_runs_change_nothing_but_the_work():
+    fast, _ = run(SHARED, "cache_aware")
+    slow, _ = run(SHARED, "cache_aware", decode_runs=False)
+    assert fast.decode_runs > 0 and slow.decode_runs == 0
+    assert fast.events < slow.events
+    for a, b in zip(fast.records, slow.records, strict=True):
+        assert (a.replica, a.cached_tokens, a.output_tokens) == (b.replica, b.cached_tokens, b.output_tokens)
+        assert a.ttft_s == pytest.approx(b.ttft_s, abs=1e-9)
+        assert a.e2e_s == pytest.approx(b.e2e_s, abs=1e-9)
+
+
+def test_every_request_is_recorded_with_the_replicas_own_figures():
+    result, summary = run(SHARED, "round_robin")
+    assert summary["requests"] == 72 and summary["errors"] == 0
+    # Round robin over 4 replicas: 18 each.
+    assert set(summary["requests_per_replica"].values()) == {18}
+    for record in result.records:
+        assert record.prompt_tokens == 1500 + 60
+        assert record.output_tokens == 40
+        assert 0 < record.ttft_s < record.e2e_s
+        assert record.tpot_s == pytest.approx((record.e2e_s - record.ttft_s) / 39)
+
+
+def test_cache_aware_keeps_groups_together_and_beats_random():
+    _, random_summary = run(SHARED, "random")
+    result, aware = run(SHARED, "cache_aware")
+    assert aware["cache_hit_ratio"] > random_summary["cache_hit_ratio"] + 0.15
+    assert aware["ttft_s"]["p50"] < random_summary["ttft_s"]["p50"]
+    # A group stays on the replica holding its prefix; six groups on four replicas leave
+    # room for a group or two to be split for balance, not more.
+    by_group: dict[str, set[str]] = {}
+    for record in result.records:
+        by_group.setdefault(record.session, set()).add(record.replica)
+    assert sum(len(replicas) == 1 for replicas in by_group.values()) >= 4
+
+
+def test_a_replica_in_another_region_adds_its_round_trip_to_ttft():
+    fleet = parse_fleet({
+        "region": "us-east",
+        "round_trip_ms": {"eu-west": 80},
+        "groups": [{"count": 1, "region": "eu-west"}],
+    })
+    workload = load_workload("shared-prefix,groups=1,prompts_per_group=1,system_tokens=100,question_tokens=10,output_tokens=5")
+    far = simulate(fleet, workload.requests, PolicySettings(name="random")).records[0]
+    near = simulate(uniform_fleet(1), workload.requests, PolicySettings(name="random")).records[0]
+    assert far.ttft_s == pytest.approx(near.ttft_s + 0.080)
+    assert far.e2e_s == pytest.approx(near.e2e_s + 0.080)
+
+
+def test_cache_aware_fills_committed_replicas_before_overflow():
+    fleet = parse_fleet({"groups": [
+        {"count": 2, "tier": "committed", "region": "a"},
+        {"count": 2, "tier": "overflow", "region": "b"},
+    ]})
+    workload = load_workload("multi-tenant,tenants=4,system_tokens=500,question_tokens=20,output_tokens=10,requests=40,rate=2")
+    result = simulate(fleet, workload.requests, PolicySettings(name="cache_aware"))
+    assert {r.replica for r in result.records} <= {"a-0", "a-1"}
+
+
+def test_a_prompt_beyond_the_context_limit_is_an_error_record_not_a_crash():
+    workload = load_workload("shared-prefix,groups=1,prompts_per_group=3,system_tokens=3000,question_tokens=10,output_tokens=5")
+    result = simulate(uniform_fleet(2, context_limit=2048), workload.requests, PolicySettings(name="least_load"))
+    assert [r.status for r in result.records] == [400, 400, 400]
+    assert "exceed the limit of 2048 tokens" in result.records[0].error
+    # Nothing is left counted against the replicas.
+    assert summarize(result.records, 1.0)["errors"] == 3
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"groups": []}, "non-empty list"),
+    ({"groups": [{"count": 0}]}, "count"),
+    ({"groups": [{"count": 1, "profile": "gpt-9"}]}, "unknown profile"),
+    ({"groups": [{"count": 1, "colour": "red"}]}, "unknown key"),
+    ({"round_trip_ms": {"x": -1}, "groups": [{"count": 1}]}, "round_trip_ms"),
+])
+def test_bad_fleet_descriptions_say_what_is_wrong(bad, message):
+    with pytest.raises(FleetError, match=message):
+        parse_fleet(bad)
+
+
+def test_simulate_command_writes_the_summary(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "balancer.process.cli", "simulate", "--workload", SHARED, "--replicas", "3",
+         "--policy", "cache_aware", "--out", str(out), "--no-progress"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = orjson.loads((out / "summary.json").read_bytes())
+    assert summary["requests"] == 72 and summary["mode"] == "offline" and summary["policy"] == "cache_aware"
+    assert sorted(summary["requests_per_replica"]) == ["replica-0", "replica-1", "replica-2"]
+    lines = (out / "requests.jsonl").read_bytes().splitlines()
+    assert len(lines) == 72 and orjson.loads(lines[0])["index"] == 0
+    assert "cache hit" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--workload", "nope"], "unknown kind"),
+    (["--workload", SHARED, "--policy", "nope"], "unknown policy"),
+    (["--workload", SHARED, "--fleet", "/nonexistent.yaml"], "cannot read fleet file"),
+])
+def test_simulate_command_refuses_bad_input_in_one_line(tmp_path, args, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "balancer.process.cli", "simulate", *args, "--out", str(tmp_path / "x")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_compare_writes_a_report_with_table_and_plots(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "balancer.process.cli", "compare", "--workload", SHARED, "--policies",
+         "random,cache_aware", "--replicas", "3", "--out", str(tmp_path), "--no-progress"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = (tmp_path / "report.md").read_text()
+    assert "| random |" in report and "| cache_aware |" in report
+    assert SHARED in report and "Seed: 0" in report and "3 x llama-3.1-8b-h100" in report
+    assert "**cache_aware** against random" in report
+    for png in ("ttft_cdf.png", "requests_per_replica.png", "cache_hit.png"):
+        assert (tmp_path / png).read_bytes().startswith(b"\x89PNG")
+        assert f"]({png})" in report
+    assert (tmp_path / "cache_aware" / "summary.json").exists()
+
+
+def test_the_example_fleet_file_describes_two_regions_and_tiers():
+    from pathlib import Path
+
+    from loadtest.simulator.fleetspec import load_fleet
+
+    fleet = load_fleet(Path(__file__).resolve().parents[2] / "config" / "fleet-multi-region.yaml")
+    assert len(fleet.replicas) == 130
+    far = [r for r in fleet.replicas if r.labels["region"] == "eu-west"]
+    assert len(far) == 80 and all(r.round_trip_s == 0.080 and r.labels["tier"] == "overflow" for r in far)
+    assert fleet.replicas[0].name == "us-east-0" and fleet.replicas[0].round_trip_s == 0.0

@@ -1,0 +1,323 @@
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from loadtest.client import workloads
+from loadtest.client.workloads import (
+    ROUTE_CHAT,
+    ROUTE_COMPLETIONS,
+    Workload,
+    WorkloadError,
+    load_workload,
+)
+from loadtest.replica.tokens import chat_tokens, output_text
+
+# The first 300 requests of the shared trace (tests/data/README.md).
+SHARED_TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_head300.jsonl"
+
+
+def words(request: workloads.WorkRequest) -> list[str]:
+    body = request.payload()
+    if request.route == ROUTE_CHAT:
+        return chat_tokens(body["messages"])
+    return body["prompt"].split()
+
+
+def common_prefix(a: list[str], b: list[str]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def write_jsonl(path: Path, records: list[dict | str]) -> Path:
+    lines = [r if isinstance(r, str) else json.dumps(r) for r in records]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def mooncake(ts: float, n_in: int, n_out: int, ids: list[int]) -> dict:
+    return {"timestamp": ts, "input_length": n_in, "output_length": n_out, "hash_ids": ids}
+
+
+@pytest.fixture
+def small_trace(tmp_path: Path) -> Path:
+    return write_jsonl(tmp_path / "trace.jsonl", [
+        mooncake(0, 40, 5, [1, 2, 3]),        # 16 + 16 + 8 words
+        mooncake(1000, 44, 0, [1, 2, 4]),     # shares blocks 1, 2 with the first
+        "",
+        mooncake(500, 30, 7, [1, 9]),         # shares block 1 only
+        mooncake(2000, 50, 3, [5]),           # needs 4 blocks, has 1 id
+        mooncake(3000, 10, 2, [6, 7, 8]),     # more ids than blocks
+    ])
+
+
+def test_mooncake_lengths_order_and_sharing(small_trace: Path) -> None:
+    w = load_workload(f"mooncake:{small_trace},block_size=16")
+    assert isinstance(w, Workload) and w.warnings == () and w.seed == 0
+    reqs = w.requests
+    assert [r.index for r in reqs] == list(range(5))
+    assert [r.arrival_s for r in reqs] == [0.0, 0.5, 1.0, 2.0, 3.0]
+    assert [r.prompt_tokens for r in reqs] == [40, 30, 44, 50, 10]
+    assert [r.output_tokens for r in reqs] == [5, 7, 1, 3, 2]
+    assert all(r.route == ROUTE_COMPLETIONS and r.session is None for r in reqs)
+    texts = [words(r) for r in reqs]
+    assert [len(t) for t in texts] == [r.prompt_tokens for r in reqs]
+    first, one_block, two_blocks = texts[0], texts[1], texts[2]
+    assert common_prefix(first, two_blocks) == 32
+    assert common_prefix(first, one_block) == 16
+    assert first[0] == "h1" and first[16] == "h2" and two_blocks[32] == "h4"
+    assert texts[3][0] == "h5" and texts[3][16].startswith("p")
+    assert texts[4][0] == "h6" and len(texts[4]) == 10
+
+
+def test_mooncake_cut_block_is_prefix_of_full_block(tmp_path: Path) -> None:
+    trace = write_jsonl(tmp_path / "t.jsonl", [
+        mooncake(0, 16 + n, 1, [1, 2]) for n in range(1, 17)
+    ])
+    texts = [words(r) for r in load_workload(f"mooncake:{trace},block_size=16").requests]
+    full = texts[-1]
+    for t in texts:
+        assert t == full[: len(t)]
+
+
+def test_mooncake_private_blocks_never_collide(tmp_path: Path) -> None:
+    trace = write_jsonl(tmp_path / "t.jsonl", [mooncake(0, 64, 1, [0]), mooncake(0, 64, 1, [0])])
+    a, b = (words(r) for r in load_workload(f"mooncake:{trace},block_size=16").requests)
+    assert common_prefix(a, b) == 16
+    assert not {a[16], a[32], a[48]} & {b[16], b[32], b[48]}
+
+
+def test_speedup_and_limit(small_trace: Path) -> None:
+    w = load_workload(f"mooncake:{small_trace},block_size=16,speedup=4,limit=3")
+    assert [r.arrival_s for r in w.requests] == [0.0, 0.125, 0.25]
+    assert [r.index for r in w.requests] == [0, 1, 2]
+    assert "3 requests" in w.description and "speed-up 4" in w.description
+
+
+def test_malformed_lines_are_skipped_with_line_numbers(tmp_path: Path) -> None:
+    trace = write_jsonl(tmp_path / "bad.jsonl", [
+        mooncake(0, 10, 1, [1]),
+        "{not json",
+        {"timestamp": 0, "output_length": 1, "hash_ids": []},
+        mooncake(0, -5, 1, [1]),
+        mooncake(0, 10, 1, ["x"]),
+        "[1, 2]",
+        mooncake(0, 10, 1, [2]),
+    ])
+    w = load_workload(f"mooncake:{trace}")
+    assert len(w.requests) == 2
+    where = [x.split(": skipped")[0] for x in w.warnings]
+    assert where == [f"{trace}:{n}" for n in (2, 3, 4, 5, 6)]
+    assert "invalid JSON" in w.warnings[0]
+    assert "missing 'input_length'" in w.warnings[1]
+    assert "'input_length' must be a positive integer" in w.warnings[2]
+    assert "5 lines skipped" in w.description
+    with pytest.raises(WorkloadError, match=r"bad.jsonl:2: invalid JSON"):
+        load_workload(f"mooncake:{trace},on_error=fail")
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("mooncake:/nonexistent/trace.jsonl", "cannot open"),
+    ("mooncake", "needs a trace file"),
+    ("nosuch:x", "unknown kind"),
+    ("shared-prefix,nosuch=1", "unknown key 'nosuch'"),
+    ("shared-prefix,groups=0", "groups='0'"),
+    ("shared-prefix,groups=two", "not an integer"),
+    ("shared-prefix,rate=-1", "positive number"),
+    ("shared-prefix,rate=nan", "positive number"),
+    ("shared-prefix,seed=1,seed=2", "twice"),
+    ("shared-prefix,groups", "key=value"),
+    ("shared-prefix:file", "takes no file"),
+    ("multi-turn,shared_system=maybe", "true or false"),
+    ("multi-tenant,route=grpc", "one of"),
+    ("mooncake:x,on_error=ignore", "one of"),
+    ("azure:x,block_size=16", "unknown key"),
+])
+def test_bad_specs(spec: str, message: str) -> None:
+    with pytest.raises(WorkloadError, match=message):
+        load_workload(spec)
+
+
+def test_empty_trace_is_an_error(tmp_path: Path) -> None:
+    trace = write_jsonl(tmp_path / "empty.jsonl", ["{}"])
+    with pytest.raises(WorkloadError, match="no requests"):
+        load_workload(f"mooncake:{trace}")
+
+
+def test_shared_trace_prefixes_follow_hash_ids() -> None:
+    w = load_workload(f"mooncake:{SHARED_TRACE},limit=200")
+    lines = [json.loads(line) for line in SHARED_TRACE.read_text().splitlines()[:400]]
+    records = sorted(lines, key=lambda r: r["timestamp"])[:200]
+    texts = [words(r) for r in w.requests]
+    for r, rec, text in zip(w.requests, records, texts, strict=True):
+        assert len(text) == rec["input_length"] == r.prompt_tokens
+    for i in range(len(records)):
+        for j in range(i):
+            a, b = records[i]["hash_ids"], records[j]["hash_ids"]
+            shared = common_prefix(a, b)
+            expected = min(shared * 512, len(texts[i]), len(texts[j]))
+            assert common_prefix(texts[i], texts[j]) == expected
+
+
+def write_azure(path: Path, rows: list[tuple[str, object, object]]) -> Path:
+    body = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+    body += "".join(f"{t},{c},{g}\n" for t, c, g in rows)
+    path.write_text(body)
+    return path
+
+
+def test_azure_lengths_arrivals_and_no_sharing(tmp_path: Path) -> None:
+    trace = write_azure(tmp_path / "azure.csv", [
+        ("2023-11-16 18:15:46.6805900", 30, 4),
+        ("2023-11-16 18:15:47.1805900", 30, 0),
+        ("2023-11-16 18:15:48.6805900", 12, 9),
+        ("yesterday", 5, 5),
+        ("2023-11-16 18:15:49.0000000", -1, 5),
+    ])
+    w = load_workload(f"azure:{trace}")
+    assert [round(r.arrival_s, 4) for r in w.requests] == [0.0, 0.5, 2.0]
+    assert [r.prompt_tokens for r in w.requests] == [30, 30, 12]
+    assert [r.output_tokens for r in w.requests] == [4, 1, 9]
+    texts = [words(r) for r in w.requests]
+    assert [len(t) for t in texts] == [30, 30, 12]
+    assert len({t[0] for t in texts}) == 3
+    assert [x.split(": skipped")[0] for x in w.warnings] == [f"{trace}:5", f"{trace}:6"]
+    with pytest.raises(WorkloadError, match="azure.csv:5"):
+        load_workload(f"azure:{trace},on_error=fail")
+
+
+def test_azure_numeric_timestamps_and_missing_columns(tmp_path: Path) -> None:
+    trace = write_azure(tmp_path / "a.csv", [("10.5", 3, 1), ("12", 4, 1)])
+    assert [r.arrival_s for r in load_workload(f"azure:{trace},speedup=2").requests] == [0, 0.75]
+    bad = tmp_path / "b.csv"
+    bad.write_text("TIMESTAMP,ContextTokens\n1,2\n")
+    with pytest.raises(WorkloadError, match="missing columns GeneratedTokens"):
+        load_workload(f"azure:{bad}")
+
+
+def test_shared_prefix_structure() -> None:
+    w = load_workload("shared-prefix,groups=4,prompts_per_group=5,system_tokens=40,"
+                      "question_tokens=7,output_tokens=9,rate=50")
+    assert len(w.requests) == 20
+    by_group: dict[str, list[list[str]]] = {}
+    for r in w.requests:
+        assert r.route == ROUTE_COMPLETIONS and r.output_tokens == 9 and r.prompt_tokens == 47
+        text = words(r)
+        assert len(text) == 47
+        by_group.setdefault(r.session, []).append(text)
+    assert sorted(by_group) == [f"group-{g}" for g in range(4)]
+    for texts in by_group.values():
+        assert len(texts) == 5
+        for a in texts:
+            for b in texts:
+                if a is not b:
+                    assert common_prefix(a, b) == 40
+    assert len({texts[0][0] for texts in by_group.values()}) == 4
+    assert [r.session for r in w.requests] != sorted(r.session for r in w.requests)
+
+
+def test_multi_turn_extends_each_turn() -> None:
+    spec = ("multi-turn,sessions=3,turns=4,system_tokens=20,user_tokens=5,output_tokens=6,"
+            "think_s=2,rate=1")
+    w = load_workload(spec)
+    assert len(w.requests) == 12
+    sessions: dict[str, list] = {}
+    for r in w.requests:
+        assert r.route == ROUTE_CHAT and r.output_tokens == 6
+        sessions.setdefault(r.session, []).append(r)
+    assert sorted(sessions) == ["session-0", "session-1", "session-2"]
+    systems = set()
+    for turns in sessions.values():
+        assert [t.arrival_s - turns[0].arrival_s for t in turns] == pytest.approx([0, 2, 4, 6])
+        previous: list[str] = []
+        for k, r in enumerate(turns):
+            messages = r.payload()["messages"]
+            tokens = chat_tokens(messages)
+            assert r.prompt_tokens == len(tokens)
+            assert len(tokens) > len(previous) and tokens[: len(previous)] == previous
+            roles = ["system"] + ["user", "assistant"] * k + ["user"]
+            assert [m["role"] for m in messages] == roles
+            assert all(m["content"] == output_text(6) for m in messages[2::2])
+            previous = tokens
+        systems.add(turns[0].payload()["messages"][0]["content"])
+    assert len(systems) == 3
+    shared = load_workload(spec + ",shared_system=true")
+    assert len({r.payload()["messages"][0]["content"] for r in shared.requests}) == 1
+
+
+def test_multi_tenant_sharing_and_zipf() -> None:
+    w = load_workload("multi-tenant,tenants=6,zipf=1.2,system_tokens=30,question_tokens=4,"
+                      "output_tokens=3,requests=600,rate=100")
+    counts = Counter(r.session for r in w.requests)
+    assert counts.most_common(1)[0][0] == "tenant-0"
+    assert counts["tenant-0"] > counts["tenant-5"]
+    systems: dict[str, set[str]] = {}
+    questions = set()
+    for r in w.requests[:100]:
+        text = words(r)
+        assert len(text) == r.prompt_tokens == 34
+        systems.setdefault(r.session, set()).add(" ".join(text[:30]))
+        questions.add(" ".join(text[30:]))
+    assert all(len(s) == 1 for s in systems.values())
+    assert len({next(iter(s)) for s in systems.values()}) == len(systems)
+    assert len(questions) == 100
+    chat = load_workload("multi-tenant,requests=10,system_tokens=30,question_tokens=4,route=chat")
+    for r in chat.requests:
+        assert r.route == ROUTE_CHAT and r.prompt_tokens == len(words(r)) == 37
+
+
+@pytest.mark.parametrize("spec", [
+    "shared-prefix,groups=3,prompts_per_group=4,system_tokens=50,question_tokens=10",
+    "multi-turn,sessions=3,turns=3,system_tokens=50,user_tokens=10,output_tokens=5",
+    "multi-tenant,requests=30,system_tokens=50,question_tokens=10",
+])
+def test_deterministic_and_seeded(spec: str) -> None:
+    def dump(w: Workload) -> list[tuple[float, str]]:
+        return [(r.arrival_s, json.dumps(r.payload("m"))) for r in w.requests]
+
+    assert dump(load_workload(spec)) == dump(load_workload(spec))
+    first = load_workload(spec + ",seed=1")
+    assert dump(first) != dump(load_workload(spec + ",seed=2"))
+    assert [json.dumps(r.payload()) for r in first.requests] == [
+        json.dumps(r.payload()) for r in first.requests
+    ]
+
+
+def test_rate_override_on_a_trace(tmp_path: Path) -> None:
+    trace = write_jsonl(tmp_path / "many.jsonl", [mooncake(i, 4, 1, [i]) for i in range(3000)])
+    w = load_workload(f"mooncake:{trace},rate=8,seed=3")
+    arrivals = [r.arrival_s for r in w.requests]
+    assert arrivals == sorted(arrivals) and arrivals[0] == 0
+    assert (len(arrivals) - 1) / arrivals[-1] == pytest.approx(8, rel=0.1)
+    assert [words(r)[0] for r in w.requests[:3]] == ["h0", "h1", "h2"]
+    fast = load_workload(f"mooncake:{trace},rate=8,seed=3,speedup=2")
+    assert fast.requests[-1].arrival_s == pytest.approx(arrivals[-1] / 2)
+    assert "Poisson 8 req/s" in w.description
+
+
+def test_generator_rate() -> None:
+    w = load_workload("multi-tenant,requests=3000,rate=20,system_tokens=5,question_tokens=1")
+    assert (len(w.requests) - 1) / w.requests[-1].arrival_s == pytest.approx(20, rel=0.1)
+
+
+def test_payload_shape(small_trace: Path) -> None:
+    r = load_workload(f"mooncake:{small_trace}").requests[0]
+    streaming = r.payload("llama")
+    assert streaming["model"] == "llama" and streaming["max_tokens"] == 5
+    assert streaming["stream"] is True and streaming["stream_options"] == {"include_usage": True}
+    assert streaming["ignore_eos"] is True
+    plain = r.payload(stream=False)
+    assert "model" not in plain and plain["stream"] is False and "stream_options" not in plain
+    assert plain["prompt"] == streaming["prompt"]
+
+
+def test_vocabulary_maps_bytes_uniformly() -> None:
+    assert 256 % len(workloads._VOCAB) == 0 and len(set(workloads._VOCAB)) == len(workloads._VOCAB)
+    assert len(workloads._BYTE_WORDS) == 256

@@ -1,0 +1,39 @@
+"""Parsing a request for routing never fails on shapes the replica would judge instead."""
+
+from __future__ import annotations
+
+from balancer.routing.request import canonical_prompt, parse_request
+
+
+def nested(depth: int) -> list:
+    root: list = []
+    cur = root
+    for _ in range(depth):
+        cur.append([])
+        cur = cur[0]
+    return root
+
+
+def test_canonical_chat_prompt_is_stable_and_ordered() -> None:
+    data = {"tools": [{"b": 1, "a": 2}], "messages": [{"role": "system", "content": "S"},
+                                                      {"role": "user", "content": [{"type": "text", "text": "Q"}]}]}
+    assert canonical_prompt("/v1/chat/completions", data) == '<|tools|>[{"a":2,"b":1}]\n<|system|>S\n<|user|>Q'
+
+
+def test_messages_of_the_wrong_type_give_an_empty_prompt() -> None:
+    assert canonical_prompt("/v1/chat/completions", {"messages": 5}) == ""
+    assert canonical_prompt("/v1/chat/completions", {"messages": {"role": "user"}}) == ""
+
+
+def test_generate_token_ids_are_hashed_as_ids_only_when_valid() -> None:
+    assert canonical_prompt("/generate", {"input_ids": [1, 2, 3]}) == [1, 2, 3]
+    assert isinstance(canonical_prompt("/generate", {"input_ids": [-1, 2]}), str)
+    assert isinstance(canonical_prompt("/generate", {"input_ids": [1 << 40]}), str)
+
+
+def test_pathological_nesting_is_not_walked() -> None:
+    body = b'{"model": "m", "prompt": ' + b"[" * 1000 + b"]" * 1000 + b', "stream": true}'
+    features = parse_request("/v1/completions", body, None, with_prompt=True)
+    assert features.stream and features.prompt == ""
+    deep_tools = {"model": "m", "messages": [], "tools": nested(300)}
+    assert canonical_prompt("/v1/chat/completions", deep_tools) == "<|tools|>"

@@ -1,0 +1,100 @@
+"""Bookkeeping of cache-aware routing through the routing core: every routed request leaves
+the replica's queued prefill and decoding counts as it found them, and the index learns
+from what replicas say."""
+
+from __future__ import annotations
+
+from balancer.config import ReplicaSettings, RoutingSettings
+from balancer.routing.admission import AdmissionQueue
+from balancer.routing.core import CoreSettings, Journey, RoutingCore
+from balancer.routing.fleet import Fleet, Replica
+from balancer.routing.tracker import CacheTracker
+from policies.base import RequestFeatures
+from policies.registry import make_policy
+
+PROMPT = "system prompt words " * 100  # 2,000 characters: 31 whole blocks
+
+
+class Core:
+    """A routing core over one replica, `r`, with the test's clock."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.tracker = CacheTracker(RoutingSettings(), lambda: self.now)
+        self.fleet = Fleet([ReplicaSettings(url="http://127.0.0.1:9001", name="r")])
+        self.core = RoutingCore(self.fleet, make_policy("cache_aware"), self.tracker, AdmissionQueue(8, 8),
+                                CoreSettings(), call_at=lambda when, callback: None)
+
+    def send(self, prompt: str) -> Journey:
+        journey = self.core.plan("/v1/completions", RequestFeatures("/v1/completions"), prompt, self.fleet.replicas)
+        assert self.core.next_attempt(journey, self.now) is not None
+        return journey
+
+
+def make() -> tuple[Core, Replica]:
+    core = Core()
+    return core, core.fleet.replicas[0]
+
+
+def test_prefill_is_queued_until_the_first_byte_and_the_slot_held_until_the_end() -> None:
+    c, replica = make()
+    journey = c.send(PROMPT)
+    assert journey.routed is not None
+    assert journey.routed.cached == {} and journey.routed.prompt_tokens == 500
+    assert replica.prefill_tokens_queued == 500 and replica.decoding == 1 and replica.in_flight == 1
+    c.core.first_byte(journey)
+    c.core.first_byte(journey)  # every later chunk is not another first byte
+    assert replica.prefill_tokens_queued == 0 and replica.decoding == 1
+    c.core.end_attempt(journey, answered=True)
+    assert replica.prefill_tokens_queued == 0 and replica.decoding == 0 and replica.in_flight == 0
+    # The replica now holds the prompt: the next one like it is predicted as cached.
+    again = c.send(PROMPT)
+    assert again.routed is not None and again.routed.cached == {"r": 31 * 16}
+    assert replica.prefill_tokens_queued == 500 - 31 * 16
+    c.core.end_attempt(again, answered=True)
+    assert replica.prefill_tokens_queued == 0
+
+
+def test_an_attempt_that_failed_is_forgotten() -> None:
+    c, replica = make()
+    journey = c.send(PROMPT)
+    c.core.end_attempt(journey, answered=False)
+    assert replica.prefill_tokens_queued == 0 and replica.decoding == 0 and replica.in_flight == 0
+    assert c.tracker.predict(PROMPT).cached == {}
+
+
+def test_the_ranking_is_tried_once_each_and_at_most_max_attempts() -> None:
+    c, replica = make()
+    journey = c.core.plan("/v1/completions", RequestFeatures("/v1/completions"), PROMPT, c.fleet.replicas)
+    assert c.core.next_attempt(journey, 0.0) is replica
+    c.core.end_attempt(journey, answered=False)
+    assert c.core.next_attempt(journey, 0.0) is None  # one replica: never the same one twice
+    assert journey.attempts == ["r"]
+
+
+def test_learning_forgets_what_an_lru_engine_evicted() -> None:
+    c, replica = make()
+    older = "an older conversation " * 100
+    for t, prompt in ((1.0, older), (2.0, PROMPT)):
+        c.now = t
+        c.core.end_attempt(c.send(prompt), answered=True)
+    c.now = 3.0
+    journey = c.send(PROMPT)
+    assert journey.routed is not None and journey.routed.cached["r"] > 0
+    # The replica says it had nothing cached: it restarted, or evicted this prompt and,
+    # being LRU, the older one before it.
+    lesson = c.core.learn(journey, prompt_tokens=400, cached_tokens=0)
+    assert lesson is not None and lesson.corrected and lesson.actual == 0
+    assert c.core.learn(journey, 400, 0) is None  # once per request
+    c.core.end_attempt(journey, answered=True)
+    assert "r" not in c.tracker.predict(older).cached
+    assert c.tracker.predict(PROMPT).cached.get("r", 0) > 0  # just recomputed there
+
+
+def test_a_correct_prediction_changes_nothing() -> None:
+    c, replica = make()
+    c.core.end_attempt(c.send(PROMPT), answered=True)
+    journey = c.send(PROMPT)
+    lesson = c.core.learn(journey, prompt_tokens=400, cached_tokens=392)
+    assert lesson is not None and not lesson.corrected
+    assert abs(lesson.predicted - lesson.actual) <= 16
