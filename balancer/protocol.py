@@ -28,3 +28,8 @@ METRIC_PREFIX_INDEX_BYTES = "kvlb_prefix_index_bytes"
 METRIC_PREFIX_INDEX_FAMILY = "kvlb_prefix_index_"
 METRIC_SYNC_FAMILY = "kvlb_sync"
 METRIC_SYNC_LAG = "kvlb_sync_lag_seconds"
+
+# -- routes ------------------------------------------------------------------------------------
+# What kvlb forwards to a replica; everything else it answers itself.
+FORWARDED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/generate")
+ADMIN_PREFIX = "/admin/"

@@ -18,6 +18,7 @@ import orjson
 from balancer.config import ConfigError, parse_settings
 from balancer.errors import JSON_HEADERS, ClientError
 from balancer.ops.reload import reload_file
+from balancer.protocol import ADMIN_PREFIX
 from balancer.routing.fleet import Replica
 from balancer.routing.request import parse_json_object
 from balancer.wire.server import Request
@@ -25,7 +26,7 @@ from balancer.wire.server import Request
 if TYPE_CHECKING:
     from balancer.app import Balancer
 
-PREFIX = "/admin/"
+PREFIX = ADMIN_PREFIX
 
 
 class AdminApi:

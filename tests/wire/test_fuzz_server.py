@@ -36,7 +36,7 @@ from aiohttp import web
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from balancer.app import FORWARDED_ROUTES
+from balancer.protocol import FORWARDED_ROUTES
 from loadtest.compare.stub_replica import make_stub_app
 from tests.conftest import TestBalancer, make_settings, run_balancer, serve_app
 

@@ -1,0 +1,176 @@
+"""One forwarded request's journey through kvlb: admission, parsing, the routing core's
+decision, the proxy's attempts, then its metrics and access-log line."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import aiohttp
+
+from balancer.config import Settings
+from balancer.errors import ClientError
+from balancer.protocol import ROUTE_HEADER, SESSION_HEADER
+from balancer.routing.core import RoutingCore
+from balancer.routing.fleet import FULL, Replica
+from balancer.routing.precise import PromptTokens, RemotePrompt
+from balancer.routing.request import parse_request
+from balancer.serving.access_log import access_log, log_access
+from balancer.serving.admission import Admission
+from balancer.serving.metrics import NO_REPLICA, Metrics
+from balancer.serving.proxy import Outcome, Proxy, end_broken_response
+from balancer.serving.request_ids import RequestIds
+from balancer.serving.tokenize import tokenize_remotely
+from balancer.wire.server import Request
+from policies.base import Choice
+
+log = logging.getLogger("kvlb.server")
+
+
+class Forwarder:
+    def __init__(
+        self,
+        settings: Settings,
+        core: RoutingCore,
+        admission: Admission,
+        proxy: Proxy,
+        metrics: Metrics,
+        ids: RequestIds,
+        prompt_tokens: PromptTokens | None,
+        session: Callable[[], aiohttp.ClientSession | None],
+    ) -> None:
+        self.core = core
+        self.fleet = core.fleet
+        self.admission = admission
+        self.proxy = proxy
+        self.metrics = metrics
+        self.ids = ids
+        self.prompt_tokens = prompt_tokens
+        self._session = session  # aiohttp's client, opened at start: for remote /tokenize
+        routing = settings.routing
+        self._region_header = routing.region_header
+        self._allowed_header = routing.allowed_regions_header
+        self._route_header = routing.route_header
+        self.configure(settings)
+
+    def configure(self, settings: Settings) -> None:
+        self.settings = settings
+        self.id_header = settings.headers.request_id
+        self.access_log = settings.logging.access_log
+
+    async def forward(self, request: Request, route: str) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        request_id = self.ids.of(request, self.id_header)
+        outcome = Outcome()
+        admitted = False
+        try:
+            async with asyncio.timeout(self.settings.timeouts.total_s):
+                await self.admission.acquire()
+                admitted = True
+                await self._forward(request, route, request_id, outcome)
+        except ClientError as exc:
+            self._refuse(request, exc, request_id, outcome)
+        except TimeoutError:
+            if outcome.stream is not None:
+                await end_broken_response(request, outcome, "the request exceeded timeouts.total_s")
+            else:
+                message = f"no answer within timeouts.total_s ({self.settings.timeouts.total_s} s)"
+                self._refuse(request, ClientError(504, message, "timeout"), request_id, outcome)
+        except asyncio.CancelledError:
+            # The client went away; the upstream request was closed on the way out.
+            outcome.status = 499
+            self.metrics.count_disconnect(route)
+            raise
+        except Exception:
+            log.exception("request %s: unexpected error", request_id)
+            message = f"internal error in the balancer; request id {request_id}"
+            if request.answered:
+                request.abort()
+                outcome.status = 500
+            else:
+                self._refuse(request, ClientError(500, message, "internal_error"), request_id, outcome)
+        finally:
+            if admitted:
+                self.admission.release()
+            elapsed = loop.time() - started
+            ttft = None if outcome.first_byte_at is None else outcome.first_byte_at - started
+            # A model no replica lists is the client's free text: kept out of the labels.
+            model = self.fleet.model_label(outcome.model, loop.time())
+            failover = outcome.answered and len(outcome.attempts) > 1
+            self.metrics.observe_request(route, outcome.replica, outcome.status, elapsed, model, ttft, failover)
+            if self.access_log and access_log.isEnabledFor(logging.INFO):
+                log_access(request, route, request_id, outcome, elapsed, ttft)
+
+    async def _candidates(self, model: str | None, allowed: frozenset[str] | None) -> list[Replica]:
+        """The replicas that may take the request now; when every one is at its
+        max_concurrency, wait (up to limits.queue_timeout_s) for one to free a slot."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.limits.queue_timeout_s
+        while True:
+            try:
+                return self.core.candidates(model, allowed, loop.time())
+            except ClientError as exc:
+                if exc.code != FULL or loop.time() >= deadline:
+                    raise
+            try:
+                await self.fleet.wait_for_room(deadline - loop.time())
+            except TimeoutError:
+                pass  # one last look, then the refusal from candidates()
+
+    def _refuse(self, request: Request, exc: ClientError, request_id: str, outcome: Outcome) -> None:
+        outcome.status = exc.status
+        outcome.error = exc.code
+        if exc.status != 502:
+            outcome.replica = NO_REPLICA
+        headers = exc.headers()
+        headers.append((self.id_header, request_id))
+        request.respond(exc.status, headers, exc.body())
+
+    async def _forward(self, request: Request, route: str, request_id: str, outcome: Outcome) -> None:
+        clock = time.perf_counter
+        parse_began = clock()
+        prompt_tokens = self.prompt_tokens
+        features = parse_request(
+            route, request.body, request.header(SESSION_HEADER), with_prompt=self.core.policy.needs_prompt,
+            prompt_of=prompt_tokens.prompt_of if prompt_tokens is not None else None,
+        )
+        parse_s = clock() - parse_began
+        outcome.model = features.model or ""
+        allowed = request.header(self._allowed_header)
+        candidates = await self._candidates(
+            features.model, allowed_regions(allowed) if allowed is not None else None
+        )
+        prompt = features.prompt
+        if isinstance(prompt, RemotePrompt):
+            session = self._session()
+            prompt = None
+            if candidates and session is not None:
+                authorization = self.proxy.replica_authorization or request.header("authorization")
+                prompt = await tokenize_remotely(
+                    session, candidates[0], features.prompt, authorization, self.settings.kv_events.tokenize_timeout_s
+                )
+        rank_began = clock()
+        journey = self.core.plan(route, features, prompt, candidates, request.header(self._region_header))
+        self.metrics.observe_decision(route, parse_s + clock() - rank_began)
+        ranking = journey.ranking
+        explained = explain(ranking) if self._route_header or log.isEnabledFor(logging.DEBUG) else None
+        if explained is not None:
+            log.debug("request %s %s model %s: %s", request_id, route, features.model, explained)
+        extra = [(ROUTE_HEADER, explained)] if self._route_header and explained else None
+        await self.proxy.forward(request, journey, request_id, outcome, extra)
+
+
+def allowed_regions(header: str) -> frozenset[str]:
+    return frozenset(part.strip() for part in header.split(",") if part.strip())
+
+
+def explain(ranking: Sequence[Choice]) -> str:
+    """The decision in one line: the chosen replica's terms, then the runner-up's."""
+    parts = []
+    for label, choice in zip(("chosen", "next"), ranking[:2], strict=False):
+        terms = " ".join(f"{k}={v:g}" for k, v in choice.terms.items())
+        parts.append(f"{label}={choice.replica.name} {terms}".strip())
+    return "; ".join(parts)
