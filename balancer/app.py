@@ -10,17 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import Callable
 
 import aiohttp
 
 from balancer.config import ConfigError, Settings
 from balancer.ops.admin import AdminApi
-from balancer.routing.admission import AdmissionQueue
-from balancer.routing.breaker import BreakerSettings
-from balancer.routing.core import CoreSettings, RoutingCore
-from balancer.routing.fleet import Fleet, Replica
+from balancer.routing.build import build_core
+from balancer.routing.fleet import Replica
 from balancer.routing.precise import PreciseTracker, PromptTokens, load_prompt_tokens
 from balancer.routing.tokenizer import TokenizerError
 from balancer.routing.tracker import CacheTracker
@@ -34,12 +30,11 @@ from balancer.serving.routes import Routes, admin_only
 from balancer.watchers.dns import DnsDiscovery, Resolver, system_resolver
 from balancer.watchers.health import HealthChecker
 from balancer.watchers.kv_events import KvEventsCollector, KvEventSubscriber
-from balancer.watchers.models import ModelDiscovery
+from balancer.watchers.models import ModelWatcher
 from balancer.watchers.sync import StateSync, SyncCollector
 from balancer.wire.client import UpstreamPool
 from balancer.wire.server import HttpServer, ServerLimits
 from policies.base import Policy
-from policies.registry import make_policy
 
 log = logging.getLogger("kvlb.server")
 
@@ -51,47 +46,30 @@ class Balancer:
         self, settings: Settings, policy: Policy | None = None, resolver: Resolver = system_resolver
     ) -> None:
         self.settings = settings
-        health = settings.health
-        self.fleet = Fleet(
-            settings.replicas,
-            BreakerSettings(
-                health.eject_after_failures, health.ejection_base_s, health.ejection_max_s,
-                health.success_rate_window_s, health.success_rate_min_requests,
-                health.success_rate_min_clients, health.success_rate_threshold,
-            ),
-        )
-        policy = policy or make_policy(settings.policy.name, settings.policy.params, settings.policy.seed)
-        self.metrics = Metrics(self.fleet)
-        self.auth = Authenticator(
-            load_keys(settings.auth), settings.auth.rate_limit_per_s, settings.auth.rate_limit_burst
-        )
-        limits = settings.limits
-        queue: AdmissionQueue[asyncio.Future[None]] = AdmissionQueue(limits.max_in_flight, limits.max_queued)
-        self.admission = Admission(queue, limits.queue_timeout_s)
-        self.pool = UpstreamPool(connect_timeout_s=settings.timeouts.connect_s)
-        # Prefix hashing and the index cost CPU on every request: only for policies that use them.
-        self.tracker: CacheTracker | None = None
-        self.kv_events: KvEventSubscriber | None = None
+        self.core = build_core(settings, policy)
+        # Loaded before serving, so a bad tokenizer directory stops start-up with its reason.
         self.prompt_tokens: PromptTokens | None = None
-        if policy.needs_prompt and settings.kv_events.enabled:
-            # Loaded before serving, so a bad tokenizer directory stops start-up with its reason.
+        if isinstance(self.core.tracker, PreciseTracker):
             try:
                 self.prompt_tokens = load_prompt_tokens(settings.kv_events)
             except TokenizerError as exc:
                 raise ConfigError([f"kv_events: {exc}"]) from None
-            precise = self.tracker = PreciseTracker(settings.routing, settings.kv_events, time.monotonic)
+        self.fleet = self.core.fleet
+        self.tracker: CacheTracker | None = self.core.tracker
+        self.metrics = Metrics(self.fleet)
+        self.auth = Authenticator(
+            load_keys(settings.auth), settings.auth.rate_limit_per_s, settings.auth.rate_limit_burst
+        )
+        self.admission = Admission(self.core.admission, settings.limits.queue_timeout_s)
+        self.pool = UpstreamPool(connect_timeout_s=settings.timeouts.connect_s)
+        self.kv_events: KvEventSubscriber | None = None
+        if isinstance(self.tracker, PreciseTracker):
+            precise = self.tracker
             self.kv_events = KvEventSubscriber(precise.events, settings.kv_events.topic)
             self.metrics.index = precise.exact
             self.metrics.registry.register(KvEventsCollector(precise.events.stats))
-        elif policy.needs_prompt:
-            self.tracker = CacheTracker(settings.routing, time.monotonic)
+        elif self.tracker is not None:
             self.metrics.index = self.tracker.index
-        routing = settings.routing
-        self.core = RoutingCore(
-            self.fleet, policy, self.tracker, queue,
-            CoreSettings(settings.retries.max_attempts, routing.region, routing.forget_unhealthy_after_s),
-            call_at=_call_at,
-        )
         self.sync: StateSync | None = None
         if settings.sync.redis_url is not None:
             self.sync = StateSync(settings.sync, self.fleet, self.tracker)
@@ -103,7 +81,7 @@ class Balancer:
         )
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._discovery: ModelDiscovery | None = None
+        self._discovery: ModelWatcher | None = None
         self._health: HealthChecker | None = None
         self.admin = AdminApi(self)
         self.dns = DnsDiscovery(
@@ -153,7 +131,7 @@ class Balancer:
         # Health checks and model discovery are rare and use aiohttp's client; forwarding, the
         # hot path, uses the lean pool.
         self.session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
-        discovery = self._discovery = ModelDiscovery(
+        discovery = self._discovery = ModelWatcher(
             self.fleet, self.settings.models, self.session,
             on_capacity=self.core.capacity_reported if self.tracker is not None else None,
         )
@@ -234,11 +212,6 @@ class Balancer:
     def _health_changed(self, replica: Replica, healthy: bool) -> None:
         if not healthy:
             self.core.went_out(replica, asyncio.get_running_loop().time())
-
-
-def _call_at(when: float, callback: Callable[[float], None]) -> None:
-    loop = asyncio.get_running_loop()
-    loop.call_at(when, lambda: callback(loop.time()))
 
 
 def _set_client_limits(limits: ServerLimits, settings: Settings) -> None:

@@ -220,7 +220,7 @@ class HealthSettings:
 
 
 @dataclass(frozen=True, slots=True)
-class ModelDiscovery:
+class ModelDiscoverySettings:
     refresh_s: float = _checked(30.0, _positive)
     timeout_s: float = _checked(2.0, _positive)
 
@@ -376,7 +376,7 @@ class Settings:
     retries: Retries = _section(Retries)
     limits: Limits = _section(Limits)
     health: HealthSettings = _section(HealthSettings)
-    models: ModelDiscovery = _section(ModelDiscovery)
+    models: ModelDiscoverySettings = _section(ModelDiscoverySettings)
     headers: HeaderSettings = _section(HeaderSettings)
     routing: RoutingSettings = _section(RoutingSettings)
     auth: AuthSettings = _section(AuthSettings)

@@ -125,11 +125,11 @@ async def main() -> int:
         try:
             for port in replica_ports:
                 procs.append(start_process(
-                    [sys.executable, "-m", "balancer.process.cli", "replica", "--port", str(port),
+                    [sys.executable, "-m", "balancer", "replica", "--port", str(port),
                      "--profile", PROFILE, "--model", MODEL, "--time-scale", str(TIME_SCALE)], env))
             for port in replica_ports:
                 await wait_for_http(f"http://127.0.0.1:{port}/health")
-            procs.append(start_process([sys.executable, "-m", "balancer.process.cli", "serve", "--config", str(config)], env))
+            procs.append(start_process([sys.executable, "-m", "balancer", "serve", "--config", str(config)], env))
             base_url = f"http://127.0.0.1:{kvlb_port}"
             await wait_for_http(base_url + "/ready")
             print(f"kvlb on {base_url} in front of {REPLICAS} simulated {PROFILE} replicas "

@@ -16,7 +16,7 @@ from balancer.config import (
     Limits,
     Listen,
     LoggingSettings,
-    ModelDiscovery,
+    ModelDiscoverySettings,
     Retries,
     Settings,
     Timeouts,
@@ -59,7 +59,7 @@ def test_defaults_fill_in_every_section():
     assert s.health == HealthSettings(
         path="/health", interval_s=5.0, timeout_s=2.0, unhealthy_threshold=2, healthy_threshold=1
     )
-    assert s.models == ModelDiscovery(refresh_s=30.0, timeout_s=2.0)
+    assert s.models == ModelDiscoverySettings(refresh_s=30.0, timeout_s=2.0)
     assert s.headers == HeaderSettings(expose_replica=True, request_id="x-request-id")
     assert s.logging == LoggingSettings(level="info", format="text", access_log=False)
     assert (s.policy.name, dict(s.policy.params), s.policy.seed) == ("least_load", {}, None)
@@ -308,7 +308,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_kvlb(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "balancer.process.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "balancer", *args], cwd=REPO, capture_output=True, text=True, timeout=60
     )
 
 

@@ -213,7 +213,7 @@ def _sglang(spec: LaunchSpec, i: int, port: int, events_port: int) -> tuple[list
 
 def _replica(spec: LaunchSpec, i: int, port: int, events_port: int) -> tuple[list[str], dict[str, str]]:
     argv = [
-        spec.python, "-m", "balancer.process.cli", "replica",
+        spec.python, "-m", "balancer", "replica",
         "--port", str(port),
         "--host", spec.host,
         "--block-size", str(spec.effective_block_size),

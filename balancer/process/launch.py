@@ -339,7 +339,7 @@ async def _run(
     launches: list[EngineLaunch], settings: Settings, log_dir: Path, start_timeout_s: float,
     config_path: str | None,
 ) -> int:
-    from balancer.process.cli import serve_until_stopped  # cli imports this module at its top
+    from balancer.process.serve import serve_until_stopped
 
     loop = asyncio.get_running_loop()
     interrupted = asyncio.Event()

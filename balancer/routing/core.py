@@ -150,16 +150,16 @@ class RoutingCore:
         assert journey.replica is None, "end_attempt first"
         if journey._next >= min(len(journey.ranking), journey.max_attempts):
             return None
-        replica: Replica = journey.ranking[journey._next].replica  # type: ignore[assignment]
+        replica = journey.ranking[journey._next].replica
+        assert isinstance(replica, Replica)  # policies rank the fleet's own replicas
         journey._next += 1
         journey.replica = replica
         journey.attempts.append(replica.name)
         journey.probe = replica.breaker.started(now)
         routed = journey.routed
+        tracker = self.tracker
         uncached = 0
-        if routed is not None:
-            tracker = self.tracker
-            assert tracker is not None
+        if routed is not None and tracker is not None:
             uncached = tracker.uncached(routed, replica)
             tracker.start(routed, replica)
         journey.uncached = uncached
@@ -178,8 +178,9 @@ class RoutingCore:
             return
         replica.prefill_tokens_queued -= journey.uncached
         journey.phase = DECODING
-        if journey.routed is not None:
-            self.tracker.first_byte(journey.routed, replica)  # type: ignore[union-attr]
+        tracker = self.tracker
+        if journey.routed is not None and tracker is not None:
+            tracker.first_byte(journey.routed, replica)
 
     def learn(self, journey: Journey, prompt_tokens: int, cached_tokens: int) -> Lesson | None:
         """The replica's own token figures for this prompt, against the prediction; at most
@@ -225,10 +226,9 @@ class RoutingCore:
         replica.in_flight -= 1
         if journey.probe and replica.breaker.probe_in_flight:
             replica.breaker.abandoned()
-        if journey.routed is not None:
-            self.tracker.finish(  # type: ignore[union-attr]
-                journey.routed, replica, answered=answered, prefilled=phase == DECODING
-            )
+        tracker = self.tracker
+        if journey.routed is not None and tracker is not None:
+            tracker.finish(journey.routed, replica, answered=answered, prefilled=phase == DECODING)
         journey.replica = None
         journey.phase = IDLE
         self.fleet.released(replica)

@@ -9,14 +9,14 @@ from collections.abc import Callable
 import aiohttp
 import orjson
 
-from balancer.config import ModelDiscovery as ModelDiscoverySettings
+from balancer.config import ModelDiscoverySettings
 from balancer.routing.fleet import Fleet, Replica
 
 log = logging.getLogger("kvlb.discovery")
 MAX_MODELS_PER_REPLICA = 1024
 
 
-class ModelDiscovery:
+class ModelWatcher:
     def __init__(
         self,
         fleet: Fleet,

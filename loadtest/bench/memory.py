@@ -69,7 +69,7 @@ class Kvlb:
         self.url = f"http://127.0.0.1:{self.port}"
         path = tmp / f"kvlb-{policy}-{self.port}.yaml"
         path.write_text(yaml.safe_dump(kvlb_config(self.port, [upstream_url], policy, model=MODEL, routing=routing)))
-        self.proc = start_process([sys.executable, "-m", "balancer.process.cli", "serve", "--config", str(path)])
+        self.proc = start_process([sys.executable, "-m", "balancer", "serve", "--config", str(path)])
 
     async def __aenter__(self) -> Kvlb:
         await wait_for_http(self.url + "/ready", timeout_s=30)

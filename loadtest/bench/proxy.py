@@ -110,7 +110,7 @@ async def bench(args: argparse.Namespace) -> None:
     env = dict(os.environ)
     upstream = start_process([sys.executable, "-m", "loadtest.bench.proxy", "--upstream-only", str(upstream_port)], env)
     kvlb = start_process(
-        [sys.executable, "-m", "balancer.process.cli", "serve", "--replica", f"http://127.0.0.1:{upstream_port}",
+        [sys.executable, "-m", "balancer", "serve", "--replica", f"http://127.0.0.1:{upstream_port}",
          "--port", str(kvlb_port), "--policy", args.policy], env)
     try:
         await wait_for_http(f"http://127.0.0.1:{upstream_port}/v1/models")

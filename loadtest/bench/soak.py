@@ -195,7 +195,7 @@ class Soak:
     # -- processes ---------------------------------------------------------------------------
 
     def start_replica(self, i: int) -> None:
-        argv = [sys.executable, "-m", "balancer.process.cli", "replica", "--port", str(self.replica_ports[i]),
+        argv = [sys.executable, "-m", "balancer", "replica", "--port", str(self.replica_ports[i]),
                 "--profile", PROFILE, "--model", MODEL, "--time-scale", str(TIME_SCALE)]
         self.replicas[i] = start_logged(argv, self.env, self.workdir / f"replica-{i}.log")
 
@@ -218,7 +218,7 @@ class Soak:
             self.start_replica(i)
         for port in self.replica_ports:
             await wait_for_http(f"http://127.0.0.1:{port}/health", timeout_s=60)
-        self.kvlb = start_logged([sys.executable, "-m", "balancer.process.cli", "serve", "--config", str(config)],
+        self.kvlb = start_logged([sys.executable, "-m", "balancer", "serve", "--config", str(config)],
                                  self.env, self.workdir / "kvlb.log")
         await wait_for_http(f"http://127.0.0.1:{self.kvlb_port}/ready", timeout_s=60)
 

@@ -486,7 +486,7 @@ async def bench(args: argparse.Namespace) -> None:
         await wait_for_http(f"http://127.0.0.1:{upstream_port}/v1/models")
         kvlb_port = free_port()
         routers.append(await start_router(
-            "kvlb", [sys.executable, "-m", "balancer.process.cli", "serve", "--replica", f"http://127.0.0.1:{upstream_port}",
+            "kvlb", [sys.executable, "-m", "balancer", "serve", "--replica", f"http://127.0.0.1:{upstream_port}",
                      "--port", str(kvlb_port), "--policy", "least_load"], kvlb_port, "/ready", env))
         # The same kvlb with Nagle left on towards clients, as SGLang's router has it: the kernel
         # then coalesces chunks, which is most of what separates the two in CPU per chunk.
@@ -498,7 +498,7 @@ async def bench(args: argparse.Namespace) -> None:
                             "policy": {"name": "least_load"}}, nagle_config)
         try:
             routers.append(await start_router(
-                "kvlb-nagle", [sys.executable, "-m", "balancer.process.cli", "serve", "--config", nagle_config.name],
+                "kvlb-nagle", [sys.executable, "-m", "balancer", "serve", "--config", nagle_config.name],
                 nagle_port, "/ready", env))
         finally:
             os.unlink(nagle_config.name)

@@ -83,7 +83,7 @@ class Instances:
             config["sync"] = sync
         path = Path(self.tmp.name) / f"kvlb-{port}.yaml"
         path.write_text(yaml.safe_dump(config))
-        argv = [sys.executable, "-m", "balancer.process.cli", "serve", "--config", str(path), "--workers", str(workers)]
+        argv = [sys.executable, "-m", "balancer", "serve", "--config", str(path), "--workers", str(workers)]
         proc = start_process(argv, dict(os.environ))
         self.procs.append(proc)
         await wait_for_http(f"http://127.0.0.1:{port}/ready")

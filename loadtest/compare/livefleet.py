@@ -26,7 +26,7 @@ MODEL = "sim-model"
 
 def replica_command(port: int, profile: str, time_scale: float, model: str = MODEL, extra: Sequence[str] = ()) -> list[str]:
     return [
-        sys.executable, "-m", "balancer.process.cli", "replica", "--port", str(port), "--profile", profile,
+        sys.executable, "-m", "balancer", "replica", "--port", str(port), "--profile", profile,
         "--model", model, "--time-scale", str(time_scale), *extra,
     ]
 
@@ -110,7 +110,7 @@ class LiveFleet:
             config["sync"] = dict(sync)
         path = Path(self._tmp.name) / f"kvlb-{policy}-{port}.yaml"
         path.write_text(yaml.safe_dump(config))
-        argv = [sys.executable, "-m", "balancer.process.cli", "serve", "--config", str(path)]
+        argv = [sys.executable, "-m", "balancer", "serve", "--config", str(path)]
         if workers > 1:
             argv += ["--workers", str(workers)]
         return await self._start_router(argv, port, "/ready", replace=replace)

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from loadtest.replica.engine import Engine, Iteration, Sequence, Status
+from loadtest.replica.engine import Engine, EngineSequence, Iteration, Status
 
 SLIP_LIMIT_S = 0.05
 FINISHED = Status.FINISHED
@@ -120,7 +120,7 @@ class RealtimeDriver:
 
     def submit(
         self, tokens: list[str], max_tokens: int, listener: TokenListener, request_id: str = ""
-    ) -> Sequence:
+    ) -> EngineSequence:
         seq = self.engine.submit(
             tokens, max_tokens, self.model_now(), request_id=request_id, owner=listener
         )
@@ -128,7 +128,7 @@ class RealtimeDriver:
             self._timer = self._loop.call_soon(self._tick, context=self._context)
         return seq
 
-    def abort(self, seq: Sequence) -> None:
+    def abort(self, seq: EngineSequence) -> None:
         self.engine.abort(seq)
 
     def _tick(self) -> None:
@@ -172,7 +172,7 @@ class RealtimeDriver:
         self._timer = loop.call_at(self._target, self._tick, context=self._context)
 
     @staticmethod
-    def _deliver(emitted: list[Sequence]) -> None:
+    def _deliver(emitted: list[EngineSequence]) -> None:
         """Publish an iteration's tokens: TokenListener.publish, inlined, as this runs once
         per token."""
         for seq in emitted:

@@ -79,7 +79,7 @@ class EngineConfig:
 
 
 @dataclass(slots=True, eq=False)
-class Sequence:
+class EngineSequence:
     """One request inside the engine. Fields are read by drivers, written by the engine."""
 
     seq_id: int
@@ -123,9 +123,9 @@ class Iteration:
     decode_context: int
     # Sequences that produced exactly one token in this iteration; `seq.num_generated` is
     # the count including it. Finished ones are also listed in `finished`.
-    emitted: list[Sequence] = field(default_factory=list)
-    finished: list[Sequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    emitted: list[EngineSequence] = field(default_factory=list)
+    finished: list[EngineSequence] = field(default_factory=list)
+    preempted: list[EngineSequence] = field(default_factory=list)
 
     @property
     def end(self) -> float:
@@ -153,8 +153,8 @@ class Engine:
         self.cache = PrefixCache(config.capacity_tokens, config.block_size)
         self.block_size = config.block_size
         self.counters = EngineCounters()
-        self._waiting: OrderedDict[int, Sequence] = OrderedDict()
-        self._running: dict[int, Sequence] = {}  # admission order
+        self._waiting: OrderedDict[int, EngineSequence] = OrderedDict()
+        self._running: dict[int, EngineSequence] = {}  # admission order
         self._waiting_tokens = 0
         self._busy_until = 0.0
         self._ids = itertools.count()
@@ -190,10 +190,10 @@ class Engine:
         """When `step` should next be called; None while there is nothing to do."""
         return self._busy_until if (self._running or self._waiting) else None
 
-    def running(self) -> list[Sequence]:
+    def running(self) -> list[EngineSequence]:
         return list(self._running.values())
 
-    def waiting(self) -> list[Sequence]:
+    def waiting(self) -> list[EngineSequence]:
         return list(self._waiting.values())
 
     # -- requests in and out -------------------------------------------------------------
@@ -207,7 +207,7 @@ class Engine:
         request_id: str = "",
         owner: Any = None,
         hashes: list[int] | None = None,
-    ) -> Sequence:
+    ) -> EngineSequence:
         """Queue a request. The engine keeps `tokens` and appends generated words to it."""
         if not tokens:
             raise ValueError("a prompt needs at least one token")
@@ -223,7 +223,7 @@ class Engine:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         if hashes is None:
             hashes = block_hashes(tokens, self.block_size)
-        seq = Sequence(
+        seq = EngineSequence(
             seq_id=next(self._ids),
             request_id=request_id,
             tokens=tokens,
@@ -241,7 +241,7 @@ class Engine:
             self._busy_until = max(self._busy_until, now)
         return seq
 
-    def abort(self, seq: Sequence) -> None:
+    def abort(self, seq: EngineSequence) -> None:
         """The client left: free the sequence's blocks. Safe to call in any state."""
         if seq.status is Status.WAITING:
             if self._waiting.pop(seq.seq_id, None) is not None:
@@ -267,9 +267,9 @@ class Engine:
         prefill_tokens = 0
         prefill_attention = 0.0
         decode_context = 0
-        prefills: list[tuple[Sequence, int]] = []
-        decodes: list[Sequence] = []
-        preempted: list[Sequence] = []
+        prefills: list[tuple[EngineSequence, int]] = []
+        decodes: list[EngineSequence] = []
+        preempted: list[EngineSequence] = []
 
         order = list(self._running.values())
         i = 0
@@ -405,7 +405,7 @@ class Engine:
         counters.generation_tokens += iterations * len(self._running)
         self._busy_until = end
 
-    def _grow(self, seq: Sequence, order: list[Sequence], preempted: list[Sequence]) -> bool:
+    def _grow(self, seq: EngineSequence, order: list[EngineSequence], preempted: list[EngineSequence]) -> bool:
         """Give a decoding `seq` the new block its next token needs, preempting the most
         recently admitted sequences (the tail of `order`) while none is free. False when
         `seq` itself had to go."""
@@ -424,7 +424,7 @@ class Engine:
         budget: int,
         prefill_tokens: int,
         prefill_attention: float,
-        prefills: list[tuple[Sequence, int]],
+        prefills: list[tuple[EngineSequence, int]],
     ) -> tuple[int, int, float]:
         block_size = self.block_size
         cache = self.cache
@@ -464,7 +464,7 @@ class Engine:
             prefills.append((seq, chunk))
         return budget, prefill_tokens, prefill_attention
 
-    def _emit(self, seq: Sequence, end: float, iteration: Iteration) -> None:
+    def _emit(self, seq: EngineSequence, end: float, iteration: Iteration) -> None:
         """`seq` produced its next token in `iteration`, which ends at `end`."""
         tokens = seq.tokens
         generated = seq.num_generated
@@ -483,14 +483,14 @@ class Engine:
             self.counters.requests_finished += 1
             iteration.finished.append(seq)
 
-    def _hash_last_block(self, seq: Sequence) -> None:
+    def _hash_last_block(self, seq: EngineSequence) -> None:
         """The token just appended filled a block: chain its hash to the sequence's (all
         blocks before it are hashed already)."""
         hashes = seq.hashes
         parent = hashes[-1] if hashes else ROOT_HASH
         hashes.append(chain_hash(seq.tokens[-self.block_size :], parent))
 
-    def _commit_full_blocks(self, seq: Sequence) -> None:
+    def _commit_full_blocks(self, seq: EngineSequence) -> None:
         hashes = seq.hashes
         start = seq.num_shared
         end = min(len(hashes), seq.num_computed // self.block_size)
@@ -499,11 +499,11 @@ class Engine:
             self.cache.commit(hashes[start:end], parent, seq.tokens, start)
             seq.num_shared = end
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: EngineSequence) -> None:
         self.cache.release(seq.hashes[: seq.num_shared], seq.num_blocks - seq.num_shared)
         seq.num_shared = seq.num_blocks = 0
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: EngineSequence) -> None:
         """Recompute later, as vLLM V1 does: its whole context becomes the next prefill."""
         self._release(seq)
         del self._running[seq.seq_id]
@@ -529,7 +529,7 @@ def run_until_idle(
     arrivals: SequenceOf[tuple[float, list[str], int]] = (),
     start: float = 0.0,
     decode_runs: bool = False,
-) -> tuple[list[Sequence], list[Iteration], float]:
+) -> tuple[list[EngineSequence], list[Iteration], float]:
     """Drive `engine` in virtual time: submit `(time, tokens, max_tokens)` arrivals as their
     times come and step until nothing is left. Returns the sequences, every iteration and the
     final time. With `decode_runs`, plain decode runs are applied in one go (and then are not
@@ -537,7 +537,7 @@ def run_until_idle(
     fleet simulator keeps its own event queue.
     """
     pending = sorted(arrivals, key=lambda arrival: arrival[0])
-    sequences: list[Sequence] = []
+    sequences: list[EngineSequence] = []
     iterations: list[Iteration] = []
     now = start
     index = 0

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from loadtest.replica.config import ReplicaConfig
 from loadtest.replica.driver import RealtimeDriver, TokenListener
-from loadtest.replica.engine import ContextLengthError, QueueFullError, Sequence
+from loadtest.replica.engine import ContextLengthError, EngineSequence, QueueFullError
 from loadtest.replica.faults import FaultState
 from loadtest.replica.parsing import (
     ApiError,
@@ -140,7 +140,7 @@ class GenerationRoutes:
         self,
         request: web.Request,
         generation: GenerationRequest,
-        seq: Sequence,
+        seq: EngineSequence,
         listener: TokenListener,
     ) -> web.StreamResponse:
         chat = generation.route == "chat"
@@ -171,7 +171,7 @@ class GenerationRoutes:
         self,
         request: web.Request,
         generation: GenerationRequest,
-        seq: Sequence,
+        seq: EngineSequence,
         listener: TokenListener,
     ) -> web.StreamResponse:
         started = time.monotonic()

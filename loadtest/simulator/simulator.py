@@ -57,8 +57,14 @@ from balancer.routing.request import parse_request
 from balancer.routing.tracker import CacheTracker, Routed
 from loadtest.client.summary import RequestRecord
 from loadtest.client.workloads import ROUTE_CHAT, WorkRequest
-from loadtest.replica.engine import ContextLengthError, Engine, EngineConfig, QueueFullError, Status
-from loadtest.replica.engine import Sequence as EngineSeq
+from loadtest.replica.engine import (
+    ContextLengthError,
+    Engine,
+    EngineConfig,
+    EngineSequence,
+    QueueFullError,
+    Status,
+)
 from loadtest.replica.kv_events import MEDIUM
 from loadtest.replica.parsing import ApiError, GenerationRequest, parse_chat, parse_completion
 from loadtest.replica.tokens import word_token_id
@@ -130,7 +136,7 @@ class Flight:
     request: WorkRequest
     journey: Journey | None = None
     replica: Replica | None = None
-    seq: EngineSeq | None = None
+    seq: EngineSequence | None = None
     node: VirtualReplica | None = None
 
 

@@ -108,7 +108,7 @@ def start_kvlb(directory: Path, config: Mapping[str, Any], env: Mapping[str, str
         log_path = directory / f"kvlb-{port}.log"
         with open(log_path, "wb") as log_file:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "balancer.process.cli", "serve", "--config", str(path)],
+                [sys.executable, "-m", "balancer", "serve", "--config", str(path)],
                 cwd=ROOT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                 stdout=log_file,
@@ -155,7 +155,7 @@ def get_status_sync(port: int, path: str, timeout_s: float = 1.0) -> int | None:
 
 
 def run_cli(*args: str, timeout_s: float = 30.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "balancer.process.cli", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "balancer", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout_s, env=dict(os.environ))
 
 

@@ -11,8 +11,8 @@ import socket
 import aiohttp
 import pytest
 
-from loadtest.engines.e2e import Workload, compare_on, launched_fleet, print_table
-from loadtest.engines.setup import ensure_engine
+from loadtest.real_engines.e2e import Workload, compare_on, launched_fleet, print_table
+from loadtest.real_engines.setup import ensure_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 

@@ -37,7 +37,7 @@ def test_live_comparison_with_kvlb_and_an_external_router(tmp_path):
     script.write_text(ROUTER)
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "balancer.process.cli", "compare", "--live", "--workload", WORKLOAD,
+        [sys.executable, "-m", "balancer", "compare", "--live", "--workload", WORKLOAD,
          "--policies", "cache_aware", "--replicas", "2", "--time-scale", "10", "--out", str(out),
          "--external", f"other={sys.executable} {script} {{port}} {{workers}}", "--no-progress"],
         capture_output=True, text=True, timeout=180,

@@ -192,7 +192,7 @@ async def test_replica_header_through_kvlb():
 
 
 def loadtest_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "balancer.process.cli", "loadtest", *args]
+    return [sys.executable, "-m", "balancer", "loadtest", *args]
 
 
 async def run_cli(*args: str) -> tuple[int, str, str]:

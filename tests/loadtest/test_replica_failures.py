@@ -57,7 +57,7 @@ async def kvlb(args: Sequence[str], config: Path | None = None) -> AsyncIterator
     With `config` (instead of --replica arguments), the port is written into the file."""
     for _ in range(3):  # a port found free may be taken before kvlb binds it
         port = free_port()
-        argv = [sys.executable, "-m", "balancer.process.cli", "serve", *args]
+        argv = [sys.executable, "-m", "balancer", "serve", *args]
         if config is None:
             argv += ["--port", str(port)]
         else:

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.replica.config import ReplicaConfig
 from loadtest.replica.driver import TokenListener
-from loadtest.replica.engine import Sequence
+from loadtest.replica.engine import EngineSequence
 from loadtest.replica.launch import running_replica
 from loadtest.replica.streaming import SseStream
 from loadtest.replica.tokens import output_text
@@ -263,7 +263,7 @@ async def test_answered_requests_leave_nothing_for_the_cycle_collector(replica, 
         await asyncio.sleep(0.05)  # the handlers' last lines
         gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()
-        kept = [o for o in gc.garbage if isinstance(o, Sequence | TokenListener | SseStream)]
+        kept = [o for o in gc.garbage if isinstance(o, EngineSequence | TokenListener | SseStream)]
     finally:
         gc.set_debug(0)
         gc.garbage.clear()

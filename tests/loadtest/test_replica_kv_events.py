@@ -27,8 +27,7 @@ from loadtest.procs import free_port
 from loadtest.replica.cache import PrefixCache
 from loadtest.replica.cli import config_from_args
 from loadtest.replica.config import ReplicaConfig
-from loadtest.replica.engine import Engine, EngineConfig
-from loadtest.replica.engine import Sequence as EngineSequence
+from loadtest.replica.engine import Engine, EngineConfig, EngineSequence
 from loadtest.replica.kv_events import Encoding, KvEventPublisher, publisher_binds
 from loadtest.replica.launch import running_replica
 from loadtest.replica.profiles import get_profile

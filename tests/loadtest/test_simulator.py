@@ -116,7 +116,7 @@ def test_bad_fleet_descriptions_say_what_is_wrong(bad, message):
 def test_simulate_command_writes_the_summary(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "balancer.process.cli", "simulate", "--workload", SHARED, "--replicas", "3",
+        [sys.executable, "-m", "balancer", "simulate", "--workload", SHARED, "--replicas", "3",
          "--policy", "cache_aware", "--out", str(out), "--no-progress"],
         capture_output=True, text=True, timeout=120,
     )
@@ -136,7 +136,7 @@ def test_simulate_command_writes_the_summary(tmp_path):
 ])
 def test_simulate_command_refuses_bad_input_in_one_line(tmp_path, args, message):
     proc = subprocess.run(
-        [sys.executable, "-m", "balancer.process.cli", "simulate", *args, "--out", str(tmp_path / "x")],
+        [sys.executable, "-m", "balancer", "simulate", *args, "--out", str(tmp_path / "x")],
         capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 2
@@ -145,7 +145,7 @@ def test_simulate_command_refuses_bad_input_in_one_line(tmp_path, args, message)
 
 def test_compare_writes_a_report_with_table_and_plots(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "balancer.process.cli", "compare", "--workload", SHARED, "--policies",
+        [sys.executable, "-m", "balancer", "compare", "--workload", SHARED, "--policies",
          "random,cache_aware", "--replicas", "3", "--out", str(tmp_path), "--no-progress"],
         capture_output=True, text=True, timeout=120,
     )

@@ -108,7 +108,7 @@ def test_selectors_find_the_deployments_pods(manifests: dict[str, dict[str, Any]
 def test_the_embedded_config_passes_kvlb_check_config(config_text: str, tmp_path: Path) -> None:
     path = tmp_path / "balancer.yaml"
     path.write_text(config_text)
-    result = subprocess.run([sys.executable, "-m", "balancer.process.cli", "check-config", str(path)],
+    result = subprocess.run([sys.executable, "-m", "balancer", "check-config", str(path)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("ok:"), result.stdout

@@ -17,7 +17,7 @@ from loadtest.procs import free_port, start_process, stop_process, wait_for_http
 from tests.conftest import serve_app
 from tests.upstreams import Seen, slow_sse_app
 
-KVLB = [sys.executable, "-m", "balancer.process.cli"]
+KVLB = [sys.executable, "-m", "balancer"]
 
 
 async def test_serve_quick_start_forwards_and_stops_on_sigterm() -> None:

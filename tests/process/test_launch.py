@@ -27,7 +27,7 @@ from balancer.process.engine_args import LaunchError, LaunchSpec, build_launches
 from balancer.process.launch import CONFIG_MARKER
 from loadtest.procs import stop_process, wait_for_http
 
-KVLB = [sys.executable, "-m", "balancer.process.cli"]
+KVLB = [sys.executable, "-m", "balancer"]
 
 
 def _flag(argv: tuple[str, ...], name: str) -> str:
@@ -92,7 +92,7 @@ def test_sglang_uses_its_own_flag_names() -> None:
 
 def test_simulated_replica_needs_no_model_and_wildcard_hosts_are_reached_on_loopback() -> None:
     (launch,) = build_launches(LaunchSpec(engine="replica", host="0.0.0.0", base_port=25000))
-    assert launch.argv[1:4] == ("-m", "balancer.process.cli", "replica")
+    assert launch.argv[1:4] == ("-m", "balancer", "replica")
     assert _flag(launch.argv, "--host") == "0.0.0.0"
     assert _flag(launch.argv, "--kv-events-endpoint") == "tcp://*:31000"
     assert "--model" not in launch.argv

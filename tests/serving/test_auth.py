@@ -66,7 +66,7 @@ async def test_client_key_forwarded_or_replaced(monkeypatch: pytest.MonkeyPatch)
 def test_missing_key_source_stops_serve_with_a_clear_message(tmp_path: Path) -> None:
     config = tmp_path / "kvlb.yaml"
     config.write_text("replicas: [{url: 'http://127.0.0.1:9'}]\nauth: {api_keys_env: KVLB_NOT_SET_ANYWHERE}\n")
-    run = subprocess.run([sys.executable, "-m", "balancer.process.cli", "serve", "--config", str(config)],
+    run = subprocess.run([sys.executable, "-m", "balancer", "serve", "--config", str(config)],
                          capture_output=True, text=True, timeout=30)
     assert run.returncode == 2
     assert "KVLB_NOT_SET_ANYWHERE is not set" in run.stderr

