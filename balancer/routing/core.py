@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from balancer.routing.admission import AdmissionQueue
 from balancer.routing.breaker import CLOSED
@@ -148,11 +148,12 @@ class RoutingCore:
     def next_attempt(self, journey: Journey, now: float) -> Replica | None:
         """The next replica to send the request to, or None when the ranking is spent."""
         assert journey.replica is None, "end_attempt first"
-        if journey._next >= min(len(journey.ranking), journey.max_attempts):
+        turn = journey._next
+        if turn >= journey.max_attempts or turn >= len(journey.ranking):
             return None
-        replica = journey.ranking[journey._next].replica
-        assert isinstance(replica, Replica)  # policies rank the fleet's own replicas
-        journey._next += 1
+        # Policies rank the fleet's own replicas, seen through their read-only view.
+        replica = cast(Replica, journey.ranking[turn].replica)
+        journey._next = turn + 1
         journey.replica = replica
         journey.attempts.append(replica.name)
         journey.probe = replica.breaker.started(now)

@@ -4,6 +4,8 @@ from what replicas say."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from balancer.config import ReplicaSettings, RoutingSettings
 from balancer.routing.admission import AdmissionQueue
 from balancer.routing.core import CoreSettings, Journey, RoutingCore
@@ -22,8 +24,16 @@ class Core:
         self.now = 0.0
         self.tracker = CacheTracker(RoutingSettings(), lambda: self.now)
         self.fleet = Fleet([ReplicaSettings(url="http://127.0.0.1:9001", name="r")])
+        self.timers: list[tuple[float, Callable[[float], None]]] = []
         self.core = RoutingCore(self.fleet, make_policy("cache_aware"), self.tracker, AdmissionQueue(8, 8),
-                                CoreSettings(), call_at=lambda when, callback: None)
+                                CoreSettings(forget_unhealthy_after_s=30.0),
+                                call_at=lambda when, callback: self.timers.append((when, callback)))
+
+    def run_timers(self, until: float) -> None:
+        due = [t for t in self.timers if t[0] <= until]
+        self.timers = [t for t in self.timers if t[0] > until]
+        for when, callback in due:
+            callback(when)
 
     def send(self, prompt: str) -> Journey:
         journey = self.core.plan("/v1/completions", RequestFeatures("/v1/completions"), prompt, self.fleet.replicas)
@@ -98,3 +108,37 @@ def test_a_correct_prediction_changes_nothing() -> None:
     lesson = c.core.learn(journey, prompt_tokens=400, cached_tokens=392)
     assert lesson is not None and not lesson.corrected
     assert abs(lesson.predicted - lesson.actual) <= 16
+
+
+def test_a_replica_still_out_after_a_while_has_its_cache_forgotten() -> None:
+    c, replica = make()
+    c.core.end_attempt(c.send(PROMPT), answered=True)
+    replica.healthy = False  # its health checks fail
+    c.core.went_out(replica, now=100.0)
+    c.run_timers(until=129.0)
+    assert c.tracker.predict(PROMPT).cached == {"r": 31 * 16}  # not yet: it may come back warm
+    c.run_timers(until=130.0)
+    assert c.tracker.predict(PROMPT).cached == {}  # still out: it has likely restarted empty
+
+
+def test_a_replica_back_in_time_keeps_its_cache() -> None:
+    c, replica = make()
+    c.core.end_attempt(c.send(PROMPT), answered=True)
+    replica.healthy = False
+    c.core.went_out(replica, now=100.0)
+    replica.healthy = True
+    c.run_timers(until=200.0)
+    assert c.tracker.predict(PROMPT).cached == {"r": 31 * 16}
+
+
+def test_an_ejection_starts_the_same_rule() -> None:
+    c, replica = make()
+    c.core.end_attempt(c.send(PROMPT), answered=True)
+    ejected = False
+    while not ejected:  # the replica's own faults, until its breaker opens
+        journey = c.send(PROMPT)
+        ejected = c.core.failed(journey, now=10.0)
+        c.core.end_attempt(journey, answered=False)
+    assert [when for when, _ in c.timers] == [40.0]
+    c.run_timers(until=40.0)  # its breaker is still open (or half open): out
+    assert c.tracker.predict(PROMPT).cached == {}
