@@ -20,6 +20,7 @@ import aiohttp
 import yaml
 
 from loadtest.procs import free_port, start_process, stop_process, wait_for_http
+from loadtest.simulator.cli import HARNESS_LIMITS
 
 MODEL = "sim-model"
 
@@ -52,8 +53,7 @@ def kvlb_config(
         "replicas": replicas,
         "policy": {"name": policy, "params": dict(params or {}), "seed": seed},
         "health": {"interval_s": 1.0},
-        # A load test is many clients at once: no admission queue in the way of what is measured.
-        "limits": {"max_in_flight": 100000},
+        "limits": {"max_in_flight": HARNESS_LIMITS.max_in_flight},
         "routing": dict(routing or {}),
     }
 

@@ -7,7 +7,8 @@ d2·Σ ctx` (milliseconds; P new prompt tokens, p_i of them for request i on top
 cached, D decoding sequences with contexts ctx). The coefficients were fitted to measured
 kernel timings of each model on each GPU group and hold to about ±15–25 % against a real
 engine: enough to rank routing policies, not to promise a latency. A change here changes every
-latency the simulator reports.
+latency the simulator reports. docs/calibration.md gives each profile's sources and its
+timings against published measurements.
 """
 
 from __future__ import annotations

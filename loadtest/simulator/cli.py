@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from balancer.config import ConfigError, PolicySettings, RoutingSettings, parse_settings
+from balancer.config import ConfigError, Limits, PolicySettings, RoutingSettings, parse_settings
 from loadtest.client.summary import RequestRecord, summarize, write_results
 from loadtest.client.workloads import Workload, WorkloadError, load_workload
 from loadtest.replica.profiles import DEFAULT_PROFILE, PROFILES
@@ -27,6 +27,12 @@ PRECISE_HELP = (
     "token ids, hashed in engine blocks) instead of predicting what each replica caches; "
     "no effect on policies that do not read the prompt"
 )
+
+
+# The balancer's limits in every load-test run, live or offline, so both see the same
+# admission: a load test is many clients at once, and no admission queue should stand in the
+# way of what is measured.
+HARNESS_LIMITS = Limits(max_in_flight=100_000)
 
 
 class SetupError(Exception):
@@ -98,7 +104,8 @@ def run_offline(
             last[0] = now
             print(f"\r  {policy.name}: {done}/{total} requests simulated", end="", file=sys.stderr, flush=True)
 
-    result = simulate(fleet, workload.requests, policy, routing, show if progress else None, precise=precise)
+    result = simulate(fleet, workload.requests, policy, routing, show if progress else None, precise=precise,
+                      limits=HARNESS_LIMITS)
     if progress:
         print(file=sys.stderr)
     cpu_s = time.process_time() - started

@@ -565,5 +565,6 @@ def simulate(
     routing: RoutingSettings | None = None,
     progress: Callable[[int], None] | None = None,
     precise: bool = False,
+    limits: Limits | None = None,
 ) -> SimulationResult:
-    return Simulator(fleet, policy, routing, precise=precise).run(requests, progress)
+    return Simulator(fleet, policy, routing, precise=precise, limits=limits).run(requests, progress)

@@ -8,7 +8,7 @@ import sys
 import orjson
 import pytest
 
-from balancer.config import PolicySettings
+from balancer.config import Limits, PolicySettings
 from loadtest.client.summary import summarize
 from loadtest.client.workloads import load_workload
 from loadtest.simulator.fleetspec import FleetError, parse_fleet, uniform_fleet
@@ -170,3 +170,22 @@ def test_the_example_fleet_file_describes_two_regions_and_tiers():
     far = [r for r in fleet.replicas if r.labels["region"] == "eu-west"]
     assert len(far) == 80 and all(r.round_trip_s == 0.080 and r.labels["tier"] == "overflow" for r in far)
     assert fleet.replicas[0].name == "us-east-0" and fleet.replicas[0].round_trip_s == 0.0
+
+
+def test_the_balancers_admission_line_runs_offline():
+    # A burst of 40 requests of about 3.3 s each, all at once, on a balancer admitting 4 at a
+    # time with room for 6 more in line: 30 are refused at once; of those in line, 4 get the
+    # first four's slots as they finish, and 2 give up after queue_timeout_s, all in virtual
+    # time, as kvlb serve would.
+    burst = "shared-prefix,groups=1,prompts_per_group=40,system_tokens=200,question_tokens=20,output_tokens=400,rate=100000"
+    limits = Limits(max_in_flight=4, max_queued=6, queue_timeout_s=5.0)
+    result, _ = run(burst, "least_load", replicas=2, limits=limits)
+    full = [r for r in result.records if r.status == 429 and "queue is full" in (r.error or "")]
+    timed_out = [r for r in result.records if r.status == 429 and "queue_timeout_s" in (r.error or "")]
+    served = sorted((r for r in result.records if r.status == 200), key=lambda r: r.send_s)
+    assert (len(full), len(timed_out), len(served)) == (30, 2, 8)
+    # The second four started once the first four ended: never more than four at once.
+    first, second = served[:4], served[4:]
+    assert min(r.ttft_s for r in second) > max(r.e2e_s for r in first)
+    unlimited, _ = run(burst, "least_load", replicas=2)
+    assert all(r.status == 200 for r in unlimited.records)
