@@ -36,6 +36,8 @@ class RequestRecord:
     # The routing's predicted hit on the replica that served it, in the replica's tokens;
     # None where nothing was predicted (a policy blind to the prompt, a live run).
     predicted_cached_tokens: int | None = None
+    # Its TTFT on an ideal fleet (loadtest/simulator/ideal.py), where the run knows the fleet.
+    ideal_ttft_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -99,6 +101,10 @@ def summarize(
     def rate(amount: float) -> float:
         return amount / duration_s if duration_s > 0 else 0.0
 
+    with_ideal = [r for r in ok if r.ideal_ttft_s is not None and r.ttft_s is not None]
+    ideal = sorted(r.ideal_ttft_s for r in with_ideal)  # type: ignore[type-var]
+    against = sorted(r.ttft_s for r in with_ideal)  # type: ignore[type-var]
+
     summary: dict[str, Any] = {
         "requests": len(records),
         "errors": len(errors),
@@ -120,6 +126,8 @@ def summarize(
         "predicted_within_one_block": within_block / len(predicted) if predicted else None,
         "requests_per_replica": dict(sorted(per_replica.items())),
         "replica_max_min_ratio": ratio,
+        "ideal_ttft_s": _ideal(ideal),
+        "ttft_over_ideal": _over(against, ideal),
     }
     # The statistics keep their meaning whatever a caller passes along with them.
     for key, value in (meta or {}).items():
@@ -175,3 +183,20 @@ def with_replica_counts(summary: dict[str, Any], counts: Mapping[str, int], sour
     summary["replica_max_min_ratio"] = max(values) / min(values) if values and min(values) > 0 else None
     summary["requests_per_replica_source"] = source
     return summary
+
+
+def _ideal(ideal: Sequence[float]) -> dict[str, float | None] | None:
+    if not ideal:
+        return None
+    return {"mean": sum(ideal) / len(ideal), "p50": percentile(ideal, 50), "p99": percentile(ideal, 99)}
+
+
+def _over(ttft: Sequence[float], ideal: Sequence[float]) -> dict[str, float | None] | None:
+    """Mean and p99 TTFT of the requests with an ideal, over the ideal's mean and p99."""
+    if not ideal:
+        return None
+    mean_ideal, p99_ideal = sum(ideal) / len(ideal), percentile(ideal, 99)
+    return {
+        "mean": (sum(ttft) / len(ttft)) / mean_ideal if mean_ideal else None,
+        "p99": percentile(ttft, 99) / p99_ideal if p99_ideal else None,  # type: ignore[operator]
+    }

@@ -19,17 +19,18 @@ from typing import Any
 from loadtest.client.summary import RequestRecord, summarize, with_replica_counts, write_results
 from loadtest.client.workloads import Workload
 from loadtest.compare.livefleet import LiveFleet
-from loadtest.compare.report import against_baseline, table, write_report
+from loadtest.compare.report import against_baseline, against_ideal, table, write_report
 from loadtest.simulator.cli import (
     PRECISE_HELP,
     SetupError,
     add_fleet_arguments,
     fleet_from_args,
+    ideal_for,
     policy_settings,
     run_offline,
     workload_from_args,
 )
-from loadtest.simulator.fleetspec import FleetPlan
+from loadtest.simulator.fleetspec import FleetPlan, uniform_fleet
 
 HELP = "compare routing policies on one workload (offline by default) and write report.md"
 Results = dict[str, tuple[dict[str, Any], list[RequestRecord]]]
@@ -41,10 +42,11 @@ def compare_offline(
 ) -> Results:
     """`precise` applies to the cache-aware policies (those that read the prompt)."""
     results: Results = {}
+    ideal = ideal_for(workload, fleet)  # the same limit for every policy
     for name in policies:
         policy, routing = policy_settings(name, policy_config, seed)
         results[name] = run_offline(
-            workload, fleet, policy, routing, out_dir / name, progress=progress, precise=precise
+            workload, fleet, policy, routing, out_dir / name, progress=progress, precise=precise, ideal=ideal
         )
     return results
 
@@ -58,6 +60,8 @@ async def compare_live(
     from loadtest.client.runner import run_load
 
     results: Results = {}
+    # The limit on the replicas' own profile, as offline (their extra flags aside).
+    ideal = ideal_for(workload, uniform_fleet(replicas, profile))
     runs: list[tuple[str, str | None]] = [(name, None) for name in policies]
     runs += list((externals or {}).items())
     async with LiveFleet(replicas, profile, time_scale, replica_args=replica_args or ()) as fleet:
@@ -84,6 +88,8 @@ async def compare_live(
                 "replicas": replicas, "seed": seed, "target": command or "kvlb",
             })
             duration = meta.pop("duration_s")
+            for record in records:
+                record.ideal_ttft_s = ideal.get(record.index)
             summary = summarize(records, duration, replicas=fleet.replica_names, meta=meta)
             if all(record.replica is None for record in records):
                 # A router that does not name the serving replica: ask the replicas instead.
@@ -107,6 +113,8 @@ def print_comparison(results: Results) -> None:
     print(table(summaries), end="")
     for line in against_baseline(summaries):
         print(line.replace("**", ""))
+    for line in against_ideal(summaries):
+        print(line)
 
 
 def _external(text: str) -> tuple[str, str]:

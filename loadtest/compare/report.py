@@ -38,6 +38,28 @@ def table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     return head + "\n".join(rows) + "\n"
 
 
+def against_ideal(summaries: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The limit beside the result: the ideal fleet's TTFT, then each run's multiple of it."""
+    ideal = next((s["ideal_ttft_s"] for s in summaries.values() if s.get("ideal_ttft_s")), None)
+    if ideal is None:
+        return []
+    lines = [
+        f"Ideal TTFT (an idle replica of the fleet's profile whose cache holds every earlier prompt, "
+        f"without bound): mean {_ms(ideal['mean'])} ms, p50 {_ms(ideal['p50'])} ms, p99 {_ms(ideal['p99'])} ms.",
+        "",
+        "| policy | TTFT mean / ideal | TTFT p99 / ideal |",
+        "|---|---:|---:|",
+    ]
+    for name, s in summaries.items():
+        over = s.get("ttft_over_ideal") or {}
+        lines.append(f"| {name} | {_times(over.get('mean'))} | {_times(over.get('p99'))} |")
+    return lines
+
+
+def _times(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1f}x"
+
+
 def against_baseline(summaries: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """One line per run: its cache-hit ratio and TTFT p99 as multiples of random's."""
     base = summaries.get(BASELINE)
@@ -151,6 +173,9 @@ def write_report(
     baseline = against_baseline(summaries)
     if baseline:
         lines += baseline + [""]
+    limit = against_ideal(summaries)
+    if limit:
+        lines += limit + [""]
     if plots:
         lines += [f"![{name}]({name})" for name in plots]
     else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ from loadtest.client.summary import RequestRecord, summarize, write_results
 from loadtest.client.workloads import Workload, WorkloadError, load_workload
 from loadtest.replica.profiles import DEFAULT_PROFILE, PROFILES
 from loadtest.simulator.fleetspec import FleetError, FleetPlan, load_fleet, uniform_fleet
-from loadtest.simulator.simulator import simulate
+from loadtest.simulator.ideal import fleet_ideal_ttfts
+from loadtest.simulator.simulator import MODEL, simulate
 
 HELP = "replay a workload through a routing policy on a virtual fleet, offline"
 PRECISE_HELP = (
@@ -92,8 +94,10 @@ def run_offline(
     out_dir: Path | None = None,
     progress: bool = False,
     precise: bool = False,
+    ideal: Mapping[int, float] | None = None,
 ) -> tuple[dict[str, Any], list[RequestRecord]]:
-    """Simulate, summarize, and write the results when `out_dir` is given."""
+    """Simulate, summarize, and write the results when `out_dir` is given. `ideal` is each
+    request's TTFT on the ideal fleet (`ideal_for`), computed once for several runs."""
     total = len(workload.requests)
     started = time.process_time()
     last = [0.0]
@@ -127,12 +131,21 @@ def run_offline(
             "decode_runs": result.decode_runs,
         },
     }
+    if ideal is None:
+        ideal = ideal_for(workload, fleet)
+    for record in result.records:
+        record.ideal_ttft_s = ideal.get(record.index)
     summary = summarize(
         result.records, result.duration_s, replicas=result.replicas, meta=meta, block_size=result.block_size
     )
     if out_dir is not None:
         write_results(out_dir, result.records, summary)
     return summary, result.records
+
+
+def ideal_for(workload: Workload, fleet: FleetPlan) -> dict[int, float]:
+    """Each request's TTFT on an idle replica holding every earlier prompt (loadtest/simulator/ideal.py)."""
+    return fleet_ideal_ttfts(workload.requests, fleet, MODEL)
 
 
 def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
@@ -180,6 +193,10 @@ def print_summary(summary: dict[str, Any]) -> None:
         + ("-" if ratio is None else f"{ratio:.2f}")
         + ("" if within is None else f", predicted hit within a block {within:.3f}")
     )
+    ideal, over = summary.get("ideal_ttft_s"), summary.get("ttft_over_ideal")
+    if ideal and over and over["mean"] is not None and over["p99"] is not None:
+        print(f"  ideal fleet (idle, holding every earlier prompt): TTFT p50 {ms(ideal['p50'])} "
+              f"p99 {ms(ideal['p99'])}; this run's mean is {over['mean']:.1f}x its mean, p99 {over['p99']:.1f}x")
 
 
 def main(args: argparse.Namespace) -> int:
