@@ -20,6 +20,14 @@ from loadtest.client.summary import RequestRecord, summarize, with_replica_count
 from loadtest.client.workloads import Workload
 from loadtest.compare.livefleet import LiveFleet
 from loadtest.compare.report import against_baseline, against_ideal, table, write_report
+from loadtest.compare.sweep import (
+    Slo,
+    capacity,
+    parse_sweep,
+    run_sweep,
+    with_option,
+    write_sweep_report,
+)
 from loadtest.simulator.cli import (
     PRECISE_HELP,
     SetupError,
@@ -139,6 +147,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--seed", type=int, default=0, help="policies' random seed")
     parser.add_argument("--out", required=True, help="directory for report.md, plots and per-run results")
     parser.add_argument("--no-progress", action="store_true")
+    sweep = parser.add_argument_group("load sweep (loadtest/compare/sweep.py)")
+    sweep.add_argument("--sweep", metavar="KEY=V1,V2,...",
+                       help="run the comparison once per value of a workload key, e.g. speedup=1,2,4 or rate=5,10,20")
+    sweep.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="SLO: time to first token (default 2000)")
+    sweep.add_argument("--slo-tpot-ms", type=float, help="SLO: time per output token (default: none)")
+    sweep.add_argument("--slo-attainment", type=float, default=0.99,
+                       help="fraction of requests that must meet the SLO (default 0.99)")
     add_fleet_arguments(parser)
     parser.set_defaults(func=main)
 
@@ -154,7 +169,13 @@ def main(args: argparse.Namespace) -> int:
             raise SetupError("--precise is offline only: a live run's kvlb predicts the cache")
         if args.live and args.fleet:
             raise SetupError("--live starts identical replicas: use --replicas and --profile, not --fleet")
-        workload = workload_from_args(args.workload)
+        sweep = parse_sweep(args.sweep) if args.sweep else None
+        slo = Slo(args.slo_ttft_ms / 1000, None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000,
+                  args.slo_attainment)
+        if not 0 < slo.attainment <= 1:
+            raise SetupError("--slo-attainment must be in (0, 1]")
+        specs = [args.workload] if sweep is None else [with_option(args.workload, sweep[0], v) for v in sweep[1]]
+        workloads = {spec: workload_from_args(spec) for spec in specs}
         for name in policies:
             policy_settings(name, args.policy_config, args.seed)
         from policies.registry import make_policy
@@ -165,6 +186,39 @@ def main(args: argparse.Namespace) -> int:
     except (SetupError, ValueError) as exc:
         print(f"kvlb compare: {exc}", file=sys.stderr)
         return 2
+    if args.live:
+        fleet_text = f"{args.replicas} x {args.profile} (simulated replica processes, time scale {args.time_scale:g})"
+    else:
+        assert fleet is not None
+        fleet_text = fleet.description
+
+    def compare_one(spec: str, run_dir: Path) -> Results:
+        results = _run(args, workloads[spec], policies, run_dir, fleet)
+        mode = ("live" if args.live else
+                "offline (kvlb simulate, precise mode)" if args.precise else "offline (kvlb simulate)")
+        report = finish(results, run_dir, workload=workloads[spec], fleet=fleet_text, seed=args.seed,
+                        mode=mode, command=command)
+        print_comparison(results)
+        print(f"report: {report}")
+        return results
+
+    if sweep is None:
+        compare_one(args.workload, out_dir)
+        return 0
+    key, levels = sweep
+    curves = run_sweep(args.workload, key, levels, slo, out_dir, compare_one)
+    report = write_sweep_report(out_dir, curves, key=key, slo=slo, workload=args.workload, fleet=fleet_text,
+                                command=command)
+    print(f"SLO: {slo.describe()}")
+    for name, points in curves.items():
+        print(f"  {name}: highest {key} meeting it: {capacity(points, slo) or 'none swept'}; goodput "
+              + ", ".join(f"{p.level}: {p.goodput_per_s:.2f}/s" for p in points))
+    print(f"sweep report: {report}")
+    return 0
+
+
+def _run(args: argparse.Namespace, workload: Workload, policies: list[str], out_dir: Path,
+         fleet: FleetPlan | None) -> Results:
     progress = not args.no_progress
     if args.live:
         replica_args = []
@@ -172,22 +226,13 @@ def main(args: argparse.Namespace) -> int:
             replica_args += ["--kv-capacity-tokens", str(args.kv_capacity_tokens)]
         if args.context_limit != 131072:
             replica_args += ["--context-limit", str(args.context_limit)]
-        results = asyncio.run(compare_live(
+        return asyncio.run(compare_live(
             workload, policies, out_dir, replicas=args.replicas, profile=args.profile,
             time_scale=args.time_scale, seed=args.seed, externals=dict(args.external),
             policy_config=args.policy_config, timeout_s=args.timeout_s, progress=progress,
             replica_args=replica_args,
         ))
-        fleet_text = f"{args.replicas} x {args.profile} (simulated replica processes, time scale {args.time_scale:g})"
-        mode = "live"
-    else:
-        assert fleet is not None
-        results = compare_offline(
-            workload, fleet, policies, out_dir, args.seed, args.policy_config, progress, precise=args.precise
-        )
-        fleet_text = fleet.description
-        mode = "offline (kvlb simulate, precise mode)" if args.precise else "offline (kvlb simulate)"
-    report = finish(results, out_dir, workload=workload, fleet=fleet_text, seed=args.seed, mode=mode, command=command)
-    print_comparison(results)
-    print(f"report: {report}")
-    return 0
+    assert fleet is not None
+    return compare_offline(
+        workload, fleet, policies, out_dir, args.seed, args.policy_config, progress, precise=args.precise
+    )
