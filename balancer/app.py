@@ -260,12 +260,13 @@ async def start_balancer(
     limits = balancer.server_limits
     error_answer = make_error_answer(settings.headers.request_id)
     routes = balancer.routes
+    refusals = balancer.metrics.client_refusals
     server = HttpServer(routes.handle, error_answer, limits, admit=routes.admit_head,
-                        tcp_nodelay=settings.listen.tcp_nodelay)
+                        tcp_nodelay=settings.listen.tcp_nodelay, refusals=refusals)
     admin = settings.admin
     admin_server = None
     if admin.listen_port is not None and balancer.admin.enabled:
-        admin_server = HttpServer(admin_only(balancer.admin.handle), error_answer, limits)
+        admin_server = HttpServer(admin_only(balancer.admin.handle), error_answer, limits, refusals=refusals)
     await balancer.start()
     try:
         bound = await server.listen(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from bisect import bisect_left
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -82,6 +82,9 @@ class Metrics(Collector):
         self.attempts: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.disconnects: defaultdict[str, int] = defaultdict(int)
         self.client_stalls: defaultdict[str, int] = defaultdict(int)
+        # Requests the HTTP wire refused while reading them (limits, framing, timeouts), by
+        # error code; the servers count into it (balancer/wire/server.py).
+        self.client_refusals: Counter[str] = Counter()
         self.prompt_tokens: defaultdict[str, int] = defaultdict(int)
         self.predicted_tokens: defaultdict[str, int] = defaultdict(int)
         self.actual_tokens: defaultdict[str, int] = defaultdict(int)
@@ -207,6 +210,16 @@ class Metrics(Collector):
         for route, count in list(self.client_stalls.items()):
             stalls.add_metric([route], count)
         yield stalls
+
+        refusals = CounterMetricFamily(
+            "kvlb_client_refusals",
+            "Requests refused while being read (connection and buffer caps, size, framing, time "
+            "limits), by error code",
+            labels=["reason"],
+        )
+        for reason, count in sorted(self.client_refusals.items()):
+            refusals.add_metric([reason], count)
+        yield refusals
 
         prompt = CounterMetricFamily(
             "kvlb_prefix_prompt_tokens",

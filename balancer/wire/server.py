@@ -27,6 +27,7 @@ import logging
 import re
 import socket
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from email.utils import formatdate
 from http import HTTPStatus
@@ -194,7 +195,8 @@ class HttpServer:
     """Shared by every connection: the handler, the limits and the open connections."""
 
     def __init__(self, handler: Handler, error_body: ErrorBody, limits: ServerLimits,
-                 admit: Admit | None = None, tcp_nodelay: bool = True) -> None:
+                 admit: Admit | None = None, tcp_nodelay: bool = True,
+                 refusals: Counter[str] | None = None) -> None:
         self.handler = handler
         self.tcp_nodelay = tcp_nodelay  # the event loop sets it on every TCP connection
         self.error_body = error_body
@@ -204,6 +206,9 @@ class HttpServer:
         self.connections: set[_Connection] = set()
         # Body bytes reserved by every connection together (see limits.max_buffered_bytes).
         self.buffered_bytes = 0
+        # Requests refused while being read, by error code (a fixed set, never the client's
+        # text), for /metrics; several servers may share one.
+        self.refusals: Counter[str] = Counter() if refusals is None else refusals
         self._server: asyncio.Server | None = None
         # Shutting down: answers in progress finish, then their connections close.
         self.closing = False
@@ -586,6 +591,7 @@ class _Connection(asyncio.Protocol):
         """Answer a request that could not be read, then close: its framing cannot be trusted."""
         if self.closed:
             return
+        self.server.refusals[exc.code] += 1
         self._keep_alive = False
         self.response_started = False
         headers, body = self.server.error_body(exc.status, exc.message, exc.code, self._request)

@@ -46,6 +46,9 @@ async def test_connections_over_max_connections_get_503_while_open_ones_keep_wor
         await asyncio.sleep(0.2)
         for _ in range(CAP + 5):
             assert (await get(k.port, "/health")).status == 200, "kvlb did not serve new connections again"
+        # Operators see the refusals, by reason.
+        refused = (await scrape(k.port)).value("kvlb_client_refusals_total", reason="too_many_connections")
+        assert refused >= 1
     assert good.connections == 1, "the good client's keep-alive connection was closed on it"
 
 

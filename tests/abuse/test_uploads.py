@@ -17,6 +17,7 @@ from tests.abuse.harness import (
     connected_socket,
     parse_answer,
     request_bytes,
+    scrape,
     sim_replicas,
     under_attack,
     wait_until,
@@ -150,3 +151,4 @@ async def test_request_bodies_beyond_the_buffer_budget_are_refused_before_they_a
         answer = await again.request("POST", "/v1/nothing-here", b" " * (3 * MiB), [JSON])
         again.close()
         assert answer.status != 503, answer
+        assert (await scrape(k.port)).value("kvlb_client_refusals_total", reason="buffer_budget_exceeded") == 1
