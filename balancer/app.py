@@ -47,29 +47,28 @@ class Balancer:
     ) -> None:
         self.settings = settings
         self.core = build_core(settings, policy)
-        # Loaded before serving, so a bad tokenizer directory stops start-up with its reason.
+        self.fleet = self.core.fleet
+        self.tracker: CacheTracker | None = self.core.tracker
+        self.metrics = Metrics(self.fleet)
         self.prompt_tokens: PromptTokens | None = None
-        if isinstance(self.core.tracker, PreciseTracker):
+        self.kv_events: KvEventSubscriber | None = None
+        if isinstance(self.tracker, PreciseTracker):
+            precise = self.tracker
+            # Loaded before serving, so a bad tokenizer directory stops start-up with its reason.
             try:
                 self.prompt_tokens = load_prompt_tokens(settings.kv_events)
             except TokenizerError as exc:
                 raise ConfigError([f"kv_events: {exc}"]) from None
-        self.fleet = self.core.fleet
-        self.tracker: CacheTracker | None = self.core.tracker
-        self.metrics = Metrics(self.fleet)
-        self.auth = Authenticator(
-            load_keys(settings.auth), settings.auth.rate_limit_per_s, settings.auth.rate_limit_burst
-        )
-        self.admission = Admission(self.core.admission, settings.limits.queue_timeout_s)
-        self.pool = UpstreamPool(connect_timeout_s=settings.timeouts.connect_s)
-        self.kv_events: KvEventSubscriber | None = None
-        if isinstance(self.tracker, PreciseTracker):
-            precise = self.tracker
             self.kv_events = KvEventSubscriber(precise.events, settings.kv_events.topic)
             self.metrics.index = precise.exact
             self.metrics.registry.register(KvEventsCollector(precise.events.stats))
         elif self.tracker is not None:
             self.metrics.index = self.tracker.index
+        self.auth = Authenticator(
+            load_keys(settings.auth), settings.auth.rate_limit_per_s, settings.auth.rate_limit_burst
+        )
+        self.admission = Admission(self.core.admission, settings.limits.queue_timeout_s)
+        self.pool = UpstreamPool(connect_timeout_s=settings.timeouts.connect_s)
         self.sync: StateSync | None = None
         if settings.sync.redis_url is not None:
             self.sync = StateSync(settings.sync, self.fleet, self.tracker)

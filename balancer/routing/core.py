@@ -222,8 +222,7 @@ class RoutingCore:
         phase = journey.phase
         if phase == PREFILLING:
             replica.prefill_tokens_queued -= journey.uncached
-        if phase != IDLE:
-            replica.decoding -= 1
+        replica.decoding -= 1
         replica.in_flight -= 1
         if journey.probe and replica.breaker.probe_in_flight:
             replica.breaker.abandoned()

@@ -54,6 +54,8 @@ class RequestRecord:
 
 
 _FIELDS = tuple(f.name for f in fields(RequestRecord))
+# Runs by name (a policy, another router): each one's summary and records.
+Results = dict[str, tuple[dict[str, Any], list[RequestRecord]]]
 
 
 def percentile(sorted_values: Sequence[float], p: float) -> float | None:

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from loadtest.client.summary import RequestRecord, summarize, with_replica_counts, write_results
+from loadtest.client.summary import Results, summarize, with_replica_counts, write_results
 from loadtest.client.workloads import Workload
 from loadtest.compare.livefleet import LiveFleet
 from loadtest.compare.report import against_baseline, against_ideal, table, write_report
@@ -41,7 +41,6 @@ from loadtest.simulator.cli import (
 from loadtest.simulator.fleetspec import FleetPlan, uniform_fleet
 
 HELP = "compare routing policies on one workload (offline by default) and write report.md"
-Results = dict[str, tuple[dict[str, Any], list[RequestRecord]]]
 
 
 def compare_offline(

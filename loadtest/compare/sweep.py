@@ -19,9 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.client.summary import RequestRecord
-
-Results = dict[str, tuple[dict[str, Any], list[RequestRecord]]]
+from loadtest.client.summary import RequestRecord, Results
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,17 +69,22 @@ def with_option(spec: str, key: str, value: str) -> str:
     return ",".join([head, *kept, f"{key}={value}"])
 
 
-def point(level: str, summary: Mapping[str, Any], records: Sequence[RequestRecord], slo: Slo) -> Point:
+def goodput(records: Sequence[RequestRecord], duration_s: float, slo: Slo) -> tuple[float, float]:
+    """(the fraction of requests that met the SLO, those requests per second)."""
     met = sum(slo.met_by(r) for r in records)
-    duration = summary["duration_s"]
+    return (met / len(records) if records else 0.0), (met / duration_s if duration_s > 0 else 0.0)
+
+
+def point(level: str, summary: Mapping[str, Any], records: Sequence[RequestRecord], slo: Slo) -> Point:
+    attained, per_s = goodput(records, summary["duration_s"], slo)
     return Point(
         level=level,
         cache_hit=summary["cache_hit_ratio"],
         ttft_p50_s=summary["ttft_s"]["p50"],
         ttft_p99_s=summary["ttft_s"]["p99"],
         e2e_p50_s=summary["e2e_s"]["p50"],
-        attained=met / len(records) if records else 0.0,
-        goodput_per_s=met / duration if duration > 0 else 0.0,
+        attained=attained,
+        goodput_per_s=per_s,
     )
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 from balancer.config import PolicySettings
-from loadtest.compare.sweep import Slo
+from loadtest.compare.sweep import Slo, goodput
 from loadtest.simulator.cli import (
     SetupError,
     add_fleet_arguments,
@@ -43,7 +43,7 @@ from loadtest.simulator.cli import (
 )
 
 HELP = "search a policy's parameters offline against an objective; write the best configuration"
-# Objective -> (how to read it from a run, True when higher is better).
+# What --objective may name; Trial.value reads each from a run.
 OBJECTIVES = ("ttft_mean", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "goodput", "cache_hit")
 
 
@@ -88,13 +88,12 @@ def _trial(job: tuple[str, Any, PolicySettings, Any, dict[str, Any], Slo]) -> Tr
     spec, fleet, policy, routing, searched, slo = job
     workload = workload_from_args(spec)
     summary, records = run_offline(workload, fleet, policy, routing, ideal={})
-    met = sum(slo.met_by(r) for r in records)
-    duration = summary["duration_s"]
+    _, per_s = goodput(records, summary["duration_s"], slo)
     return Trial(
         params=searched,
         ttft_mean_s=summary["ttft_s"]["mean"], ttft_p50_s=summary["ttft_s"]["p50"],
         ttft_p99_s=summary["ttft_s"]["p99"], e2e_p50_s=summary["e2e_s"]["p50"], e2e_p99_s=summary["e2e_s"]["p99"],
-        cache_hit=summary["cache_hit_ratio"], goodput_per_s=met / duration if duration > 0 else 0.0,
+        cache_hit=summary["cache_hit_ratio"], goodput_per_s=per_s,
         errors=summary["errors"],
     )
 
@@ -183,14 +182,13 @@ def main(args: argparse.Namespace) -> int:
         base_policy, routing = policy_settings(args.policy, args.policy_config, args.seed)
         from policies.registry import make_policy
 
-        points = grid(searched)
+        slo = Slo(args.slo_ttft_ms / 1000, None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000)
         jobs = []
-        for point in points:
+        for point in grid(searched):
             params = {**base_policy.params, **point}
             make_policy(args.policy, params)  # an unknown name or a bad value fails here
             policy = PolicySettings(name=args.policy, params=params, seed=args.seed)
-            jobs.append((args.workload, fleet, policy, routing, point, Slo(args.slo_ttft_ms / 1000,
-                         None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000)))
+            jobs.append((args.workload, fleet, policy, routing, point, slo))
     except (SetupError, ValueError, TypeError) as exc:
         print(f"kvlb tune: {exc}", file=sys.stderr)
         return 2
@@ -202,7 +200,7 @@ def main(args: argparse.Namespace) -> int:
             trials = list(pool.map(_trial, jobs))
     report, best = write_report(
         Path(args.out), trials, objective=args.objective, policy=args.policy, base=dict(base_policy.params),
-        workload=args.workload, fleet=fleet.description, slo=jobs[0][5], command=command,
+        workload=args.workload, fleet=fleet.description, slo=slo, command=command,
     )
     winner = min(trials, key=lambda t: t.value(args.objective))
     print(f"best by {args.objective}: {winner.params} (TTFT p99 {_ms(winner.ttft_p99_s)} ms, "
