@@ -158,7 +158,7 @@ class ReplicaSettings:
 
 @dataclass(frozen=True, slots=True)
 class PolicySettings:
-    name: str = "least_load"
+    name: str = "predictive"
     params: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     seed: int | None = None
 
@@ -554,7 +554,7 @@ def load_settings(path: str | os.PathLike[str]) -> Settings:
 
 def settings_from_args(
     replica_urls: list[str],
-    policy: str = "least_load",
+    policy: str = "predictive",
     host: str = "127.0.0.1",
     port: int = 8000,
 ) -> Settings:

@@ -3,7 +3,7 @@
 Starts four simulated GPU replicas (`kvlb replica`, llama-3.1-8b on H100, ten times faster
 than the model) and kvlb as child processes, sends chat and completion requests, streaming
 and not, through the unchanged `openai` client, prints which replica served each and what
-its KV cache held, then compares random and cache_aware routing live on the same chat
+its KV cache held, then compares random and predictive routing live on the same chat
 sessions, and stops everything it started, also on Ctrl-C or error.
 """
 
@@ -39,7 +39,7 @@ def write_config(path: Path, kvlb_port: int, replica_ports: list[int]) -> None:
     zones = ["us-east-1a", "us-east-1b"]
     lines = [
         f"listen: {{host: 127.0.0.1, port: {kvlb_port}}}",
-        "policy: {name: cache_aware}",
+        "policy: {name: predictive}",
         "health: {interval_s: 1.0}",
         "replicas:",
     ]
@@ -133,7 +133,7 @@ async def main() -> int:
             base_url = f"http://127.0.0.1:{kvlb_port}"
             await wait_for_http(base_url + "/ready")
             print(f"kvlb on {base_url} in front of {REPLICAS} simulated {PROFILE} replicas "
-                  f"(time scale {TIME_SCALE}), policy cache_aware\n")
+                  f"(time scale {TIME_SCALE}), policy predictive\n")
             served = await burst(base_url)
             print(f"\n{'#':>3}  {'request':<22} {'served by':<10} {'prompt':>6} {'cached':>6}  answer")
             for i, (kind, replica, prompt_tokens, cached, text) in enumerate(served, 1):
@@ -158,17 +158,17 @@ REPORT_DIR = Path("demo-report")
 
 async def compare_policies() -> None:
     """The same chat sessions live through kvlb twice, with fresh replicas each time: random
-    routing, then cache_aware."""
+    routing, then predictive."""
     workload = load_workload(COMPARE_WORKLOAD)
-    print(f"\ncomparing random and cache_aware routing, live through kvlb and {REPLICAS} fresh simulated "
+    print(f"\ncomparing random and predictive routing, live through kvlb and {REPLICAS} fresh simulated "
           f"replicas each:\n  {workload.description}")
     results = await compare_live(
-        workload, ["random", "cache_aware"], REPORT_DIR, replicas=REPLICAS, profile=PROFILE,
+        workload, ["random", "predictive"], REPORT_DIR, replicas=REPLICAS, profile=PROFILE,
         time_scale=TIME_SCALE, progress=False,
     )
     finish(results, REPORT_DIR, workload=workload, seed=0, mode="live (make demo)",
            fleet=f"{REPLICAS} x {PROFILE} (simulated replica processes, time scale {TIME_SCALE})",
-           command=f"kvlb compare --live --workload '{COMPARE_WORKLOAD}' --policies random,cache_aware "
+           command=f"kvlb compare --live --workload '{COMPARE_WORKLOAD}' --policies random,predictive "
                    f"--replicas {REPLICAS} --out {REPORT_DIR}")
     print("\nTimes in ms of model time (the replicas run ten times faster than the GPUs they model).\n")
     print_comparison(results)

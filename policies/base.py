@@ -45,6 +45,18 @@ class ReplicaView(Protocol):
         last."""
         ...
 
+    @property
+    def context_tokens(self) -> int:
+        """Prompt tokens of those decoding requests: the context their decode iterations
+        attend to."""
+        ...
+
+    @property
+    def ttft_scale(self) -> float:
+        """Observed over predicted time to first token there, fitted online (1.0 until the
+        replica has answered; see balancer/routing/latency.py)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class RequestFeatures:
@@ -64,6 +76,8 @@ class RequestFeatures:
     cached_tokens: Mapping[str, int] = field(default_factory=dict)
     # Region the request comes from (header or the balancer's own region), for locality.
     origin_region: str | None = None
+    # The body's `max_tokens` (or `max_completion_tokens`): a bound on the output, if named.
+    max_tokens: int | None = None
 
 
 # Not frozen: one is built per replica per request, and frozen dataclasses cost 3x to create.

@@ -61,7 +61,7 @@ from policies.base import Choice, Policy, ReplicaView, RequestFeatures
 OVERFLOW_TIER = "overflow"
 
 
-def _number(name: str, value: Any, unit: str, *, positive: bool = False) -> float:
+def number_param(name: str, value: Any, unit: str, *, positive: bool = False) -> float:
     """`value` as a float, finite and >= 0 (> 0 when `positive`), else a ValueError."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{name} must be a number ({unit}), got {value!r}")
@@ -124,22 +124,22 @@ class CacheAwarePolicy(Policy):
         **params: Any,
     ) -> None:
         super().__init__(seed=seed, **params)
-        self.prefill_weight = _number(
+        self.prefill_weight = number_param(
             "prefill_weight",
             prefill_weight,
             "cost tokens per uncached prompt token",
             positive=True,
         )
-        self.queue_weight = _number(
+        self.queue_weight = number_param(
             "queue_weight", queue_weight, "cost tokens per queued prefill token"
         )
-        self.decode_tokens_per_seq = _number(
+        self.decode_tokens_per_seq = number_param(
             "decode_tokens_per_seq", decode_tokens_per_seq, "tokens per decoding sequence"
         )
-        self.same_region_penalty_tokens = _number(
+        self.same_region_penalty_tokens = number_param(
             "same_region_penalty_tokens", same_region_penalty_tokens, "tokens"
         )
-        self.other_region_penalty_tokens = _number(
+        self.other_region_penalty_tokens = number_param(
             "other_region_penalty_tokens", other_region_penalty_tokens, "tokens"
         )
         if self.other_region_penalty_tokens < self.same_region_penalty_tokens:
@@ -147,12 +147,12 @@ class CacheAwarePolicy(Policy):
                 "other_region_penalty_tokens (tokens) must be >= same_region_penalty_tokens, "
                 f"got {self.other_region_penalty_tokens!r} < {self.same_region_penalty_tokens!r}"
             )
-        self.overflow_after_ms = _number("overflow_after_ms", overflow_after_ms, "ms")
-        self.prefill_tokens_per_ms = _number(
+        self.overflow_after_ms = number_param("overflow_after_ms", overflow_after_ms, "ms")
+        self.prefill_tokens_per_ms = number_param(
             "prefill_tokens_per_ms", prefill_tokens_per_ms, "tokens per ms", positive=True
         )
-        self.tie_tolerance_tokens = _number("tie_tolerance_tokens", tie_tolerance_tokens, "tokens")
-        self.tie_tolerance_ratio = _number(
+        self.tie_tolerance_tokens = number_param("tie_tolerance_tokens", tie_tolerance_tokens, "tokens")
+        self.tie_tolerance_ratio = number_param(
             "tie_tolerance_ratio", tie_tolerance_ratio, "fraction of the cost"
         )
         if self.tie_tolerance_ratio > 1.0:
@@ -233,16 +233,28 @@ class CacheAwarePolicy(Policy):
                 best_committed_wait = wait_ms
             i += 1
 
-        order = sorted(range(i), key=keys.__getitem__)
-        if not overflow or best_committed_wait > self.overflow_after_ms:
-            # No overflow tier, or committed capacity is exhausted (or absent, in which case
-            # the best committed wait is infinite): everyone competes on cost.
-            return [choices[j] for j in order]
-        held_back = set(overflow)
-        ranked = [choices[j] for j in order if j not in held_back]
-        for j in order:
-            if j in held_back:
-                choice = choices[j]
-                choice.terms["tier"] = 1.0  # type: ignore[index]
-                ranked.append(choice)
-        return ranked
+        return rank_with_tiers(choices, keys, overflow, best_committed_wait, self.overflow_after_ms)
+
+
+def rank_with_tiers(
+    choices: list[Choice],
+    keys: list[float],
+    overflow: list[int],
+    best_committed_wait_ms: float,
+    overflow_after_ms: float,
+) -> list[Choice]:
+    """`choices` by their jittered `keys`, overflow replicas (indices in `overflow`) held back
+    behind the committed ones unless the best committed wait exceeds `overflow_after_ms`."""
+    order = sorted(range(len(choices)), key=keys.__getitem__)
+    if not overflow or best_committed_wait_ms > overflow_after_ms:
+        # No overflow tier, or committed capacity is exhausted (or absent, in which case
+        # the best committed wait is infinite): everyone competes on cost.
+        return [choices[j] for j in order]
+    held_back = set(overflow)
+    ranked = [choices[j] for j in order if j not in held_back]
+    for j in order:
+        if j in held_back:
+            choice = choices[j]
+            choice.terms["tier"] = 1.0  # type: ignore[index]
+            ranked.append(choice)
+    return ranked

@@ -16,6 +16,7 @@ _POLICY_CLASSES = (
     "policies.power_of_two:PowerOfTwoPolicy",
     "policies.consistent_hash:ConsistentHashPolicy",
     "policies.cache_aware:CacheAwarePolicy",
+    "policies.predictive:PredictivePolicy",
 )
 
 

@@ -16,3 +16,5 @@ class FakeReplica:
     in_flight: int = 0
     prefill_tokens_queued: int = 0
     decoding: int = 0
+    context_tokens: int = 0
+    ttft_scale: float = 1.0

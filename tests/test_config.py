@@ -62,7 +62,7 @@ def test_defaults_fill_in_every_section():
     assert s.models == ModelDiscoverySettings(refresh_s=30.0, timeout_s=2.0)
     assert s.headers == HeaderSettings(expose_replica=True, request_id="x-request-id")
     assert s.logging == LoggingSettings(level="info", format="text", access_log=False)
-    assert (s.policy.name, dict(s.policy.params), s.policy.seed) == ("least_load", {}, None)
+    assert (s.policy.name, dict(s.policy.params), s.policy.seed) == ("predictive", {}, None)
     (r,) = s.replicas
     assert (r.url, r.name, r.model, dict(r.labels)) == ("http://127.0.0.1:9001", "127.0.0.1:9001", None, {})
     assert (r.weight, r.max_concurrency, r.kv_capacity_tokens) == (1.0, None, None)
@@ -291,7 +291,7 @@ def test_settings_from_args_goes_through_validation():
 
 def test_check_config_main_reports_ok(capsys):
     assert check_config_main(EXAMPLE) == 0
-    assert capsys.readouterr().out == "ok: 3 replicas, policy least_load\n"
+    assert capsys.readouterr().out == "ok: 3 replicas, policy predictive\n"
 
 
 def test_check_config_main_prints_every_problem(tmp_path, capsys):
@@ -314,7 +314,7 @@ def run_kvlb(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_kvlb_check_config_end_to_end(tmp_path):
     ok = run_kvlb("check-config", str(EXAMPLE))
-    assert (ok.returncode, ok.stdout) == (0, "ok: 3 replicas, policy least_load\n"), ok.stderr
+    assert (ok.returncode, ok.stdout) == (0, "ok: 3 replicas, policy predictive\n"), ok.stderr
     path = write(tmp_path, "replicas:\n  - url: ftp://x\npolicy:\n  name: foo\n")
     bad = run_kvlb("check-config", str(path))
     assert bad.returncode == 1, bad.stderr

@@ -34,7 +34,7 @@ def _serve_settings(args: argparse.Namespace) -> Settings:
         raise ConfigError(["give --config FILE or at least one --replica URL"])
     return settings_from_args(
         args.replica,
-        policy=args.policy or "least_load",
+        policy=args.policy or "predictive",
         host=args.host or "127.0.0.1",
         port=args.port if args.port is not None else 8000,
     )
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the balancer")
     serve.add_argument("--config", metavar="FILE", help="YAML configuration (see config/balancer.yaml)")
     serve.add_argument("--replica", metavar="URL", action="append", help="replica base URL; repeat for more")
-    serve.add_argument("--policy", help="policy name for --replica mode (default least_load)")
+    serve.add_argument("--policy", help="policy name for --replica mode (default predictive)")
     serve.add_argument("--host", help="listen address for --replica mode (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="listen port for --replica mode (default 8000)")
     serve.add_argument(

@@ -58,7 +58,7 @@ def register(sub: Any) -> None:
                         help="engine i publishes KV events on E+i")
     parser.add_argument("--host", default="127.0.0.1", help="where kvlb and the engines listen")
     parser.add_argument("--port", type=int, default=8000, help="kvlb's port")
-    parser.add_argument("--policy", default="cache_aware")
+    parser.add_argument("--policy", default="predictive")
     parser.add_argument("--engine-python", default=sys.executable, metavar="PYTHON",
                         help="the Python that has the engine installed (default: this one)")
     parser.add_argument("--log-dir", metavar="DIR", help="engine logs (default: a fresh temporary folder)")

@@ -12,7 +12,8 @@ and passes the time in:
                 most `max_attempts`; the load the request puts on it is counted from here
     verdicts    `failed` (the replica's fault), `held_off` (it said when to come back),
                 `answered` (an answer relayed, judged by success rate)
-    first byte  `first_byte(journey)`: its prefill is done
+    first byte  `first_byte(journey, now)`: its prefill is done; a streamed answer's time
+                to first byte, against the policy's prediction, fits the replica's speed
     usage       `learn(journey, prompt tokens, cached tokens)`: the replica's own figures
     finish      `end_attempt(journey, answered)`: the load leaves, the index keeps or
                 forgets what the attempt recorded
@@ -58,6 +59,9 @@ class Journey:
     phase: int = IDLE
     uncached: int = 0  # prompt tokens the attempt's replica must compute, by the prediction
     probe: bool = False  # the attempt is its replica's half-open breaker probe
+    context: int = 0  # the prompt tokens the attempt adds to its replica's decode context
+    sent_at: float = 0.0  # when the attempt started, for the latency fit
+    model_ttft_ms: float = 0.0  # the policy's predicted time to first token before the fit, if any
     max_attempts: int = 3
     _next: int = 0
 
@@ -141,6 +145,7 @@ class RoutingCore:
                 prompt_tokens=routed.prompt_tokens,
                 cached_tokens=routed.cached,
                 origin_region=origin_region or self.settings.region,
+                max_tokens=features.max_tokens,
             )
         ranking = self.policy.rank(features, candidates)
         return Journey(features, ranking, routed, max_attempts=self.settings.max_attempts)
@@ -165,6 +170,11 @@ class RoutingCore:
             tracker.start(routed, replica)
         journey.uncached = uncached
         journey.phase = PREFILLING
+        journey.sent_at = now
+        choice = journey.ranking[turn]
+        journey.model_ttft_ms = choice.terms.get("model_ttft_ms", 0.0)
+        context = journey.context = journey.features.prompt_tokens
+        replica.context_tokens += context
         replica.in_flight += 1
         replica.prefill_tokens_queued += uncached
         # It holds a batch slot from now on: a non-streaming answer's first byte is its last,
@@ -172,16 +182,22 @@ class RoutingCore:
         replica.decoding += 1
         return replica
 
-    def first_byte(self, journey: Journey) -> None:
-        """The replica has answered: its prefill is done. Later calls change nothing."""
+    def first_byte(self, journey: Journey, now: float | None = None) -> float | None:
+        """The replica has answered: its prefill is done. Later calls change nothing.
+
+        With `now`, a streamed answer's time to first byte also teaches the replica's
+        latency fit; returns the prediction's error (observed over predicted) when it did."""
         replica = journey.replica
         if replica is None or journey.phase != PREFILLING:
-            return
+            return None
         replica.prefill_tokens_queued -= journey.uncached
         journey.phase = DECODING
         tracker = self.tracker
         if journey.routed is not None and tracker is not None:
             tracker.first_byte(journey.routed, replica)
+        if now is None or not journey.features.stream or journey.model_ttft_ms <= 0:
+            return None
+        return replica.latency.observe((now - journey.sent_at) * 1000.0, journey.model_ttft_ms)
 
     def learn(self, journey: Journey, prompt_tokens: int, cached_tokens: int) -> Lesson | None:
         """The replica's own token figures for this prompt, against the prediction; at most
@@ -224,6 +240,8 @@ class RoutingCore:
             replica.prefill_tokens_queued -= journey.uncached
         replica.decoding -= 1
         replica.in_flight -= 1
+        replica.context_tokens -= journey.context
+        journey.context = 0
         if journey.probe and replica.breaker.probe_in_flight:
             replica.breaker.abandoned()
         tracker = self.tracker

@@ -11,6 +11,7 @@ from typing import Any
 from balancer.config import ReplicaSettings
 from balancer.errors import ClientError
 from balancer.routing.breaker import Breaker, BreakerSettings
+from balancer.routing.latency import LatencyFit
 
 
 class Replica:
@@ -21,6 +22,7 @@ class Replica:
         "declared_model", "in_flight", "healthy", "discovered_models", "model_cards",
         "prefill_tokens_queued", "decoding", "breaker", "draining", "settings",
         "remote_in_flight", "remote_prefill_tokens_queued", "remote_decoding",
+        "context_tokens", "latency",
     )
 
     def __init__(self, settings: ReplicaSettings, breaker: BreakerSettings | None = None) -> None:
@@ -42,6 +44,9 @@ class Replica:
         self.remote_in_flight = 0
         self.remote_prefill_tokens_queued = 0
         self.remote_decoding = 0
+        # This instance's decoding requests' prompt tokens (other instances' are not shared).
+        self.context_tokens = 0
+        self.latency = LatencyFit()
         self.breaker = Breaker(breaker or BreakerSettings())
         # Draining: no new requests; those in flight finish (admin API).
         self.draining = False
@@ -50,6 +55,10 @@ class Replica:
         # None until the replica has answered /v1/models once.
         self.discovered_models: frozenset[str] | None = None
         self.model_cards: tuple[Mapping[str, Any], ...] = ()
+
+    @property
+    def ttft_scale(self) -> float:
+        return self.latency.scale
 
     def serves(self, model: str | None) -> bool:
         if model is None:

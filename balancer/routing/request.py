@@ -120,12 +120,17 @@ def parse_request(
         user = data.get("user")
         session_key = user if isinstance(user, str) and user else None
 
+    max_tokens = data.get("max_completion_tokens", data.get("max_tokens"))
+    if route == "/generate" and isinstance(sampling := data.get("sampling_params"), dict):
+        max_tokens = sampling.get("max_new_tokens")
     return RequestFeatures(
         route=route,
         model=model,
         stream=data.get("stream") is True,
         session_key=session_key,
         prompt=(prompt_of or canonical_prompt)(route, data) if with_prompt else None,
+        # A bad value is the replica's to refuse; for routing it is just not a bound.
+        max_tokens=max_tokens if type(max_tokens) is int and max_tokens >= 0 else None,
     )
 
 

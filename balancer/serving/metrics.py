@@ -33,6 +33,8 @@ from balancer.routing.index import PrefixIndex
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 NO_REPLICA = "none"
 ERROR_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
+# Observed over predicted time to first token: 1.0 is exact, 2.0 twice too slow.
+RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.1, 1.25, 1.5, 2.0, 4.0)
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )
@@ -90,6 +92,7 @@ class Metrics(Collector):
         self.actual_tokens: defaultdict[str, int] = defaultdict(int)
         self.corrections: defaultdict[str, int] = defaultdict(int)
         self.prediction_error = _Histogram(ERROR_BUCKETS)
+        self.ttft_error = _Histogram(RATIO_BUCKETS)
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
@@ -138,6 +141,10 @@ class Metrics(Collector):
         self.prediction_error.observe(abs(predicted - actual))
         if corrected:
             self.corrections[replica] += 1
+
+    def observe_ttft_error(self, ratio: float) -> None:
+        """A streamed answer's observed time to first byte over the policy's prediction."""
+        self.ttft_error.observe(ratio)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -256,6 +263,13 @@ class Metrics(Collector):
         )
         error.add_metric([], self.prediction_error.family_buckets(), self.prediction_error.total)
         yield error
+        ttft_error = HistogramMetricFamily(
+            "kvlb_ttft_prediction_ratio",
+            "Observed over predicted time to first token of streamed answers (predictive policy; "
+            "1.0 is exact), with each replica's fitted speed applied",
+        )
+        ttft_error.add_metric([], self.ttft_error.family_buckets(), self.ttft_error.total)
+        yield ttft_error
 
         index = self.index
         entries = index.entries if index is not None else 0
@@ -298,8 +312,15 @@ class Metrics(Collector):
             "Prompt tokens routed to the replica and not yet past their first token (cache-aware policies)",
             labels=["replica"],
         )
+        scale = GaugeMetricFamily(
+            "kvlb_replica_ttft_scale",
+            "Fitted multiplier on the replica's predicted time to first token (1.0 = as its "
+            "profile; 2.0 = twice as slow), learned from streamed answers",
+            labels=["replica"],
+        )
         now = asyncio.get_running_loop().time()
         for replica in self.fleet.replicas:
+            scale.add_metric([replica.name], replica.ttft_scale)
             in_flight.add_metric([replica.name], replica.in_flight)
             healthy.add_metric([replica.name], 1.0 if replica.healthy else 0.0)
             breaker.add_metric([replica.name], STATE_VALUES[replica.breaker.state(now)])
@@ -310,3 +331,4 @@ class Metrics(Collector):
         yield breaker
         yield ejections
         yield queued
+        yield scale

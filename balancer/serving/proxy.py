@@ -252,6 +252,11 @@ class Proxy:
             out += extra
         return out
 
+    def _first_byte(self, journey: Journey) -> None:
+        error = self.core.first_byte(journey, asyncio.get_running_loop().time())
+        if error is not None:
+            self.metrics.observe_ttft_error(error)
+
     def _learn(self, journey: Journey, replica: Replica, usage: tuple[int, int] | None) -> None:
         if usage is None:
             return
@@ -294,7 +299,7 @@ class Proxy:
             payload = parse_json(data) if read_usage or (routed is not None and CACHED_MARK in data) else None
             if read_usage:
                 outcome.tokens = counts_of(payload)
-            self.core.first_byte(journey)
+            self._first_byte(journey)
             if routed is not None:
                 self._learn(journey, replica, usage_of(payload))
             return None
@@ -318,7 +323,7 @@ class Proxy:
                     self._learn(journey, replica, usage_from_sse(chunk))
 
         relay = StreamRelay(stream, resp, asyncio.get_running_loop(), idle_s, on_chunk,
-                            lambda: self.core.first_byte(journey))
+                            lambda: self._first_byte(journey))
         try:
             await relay.run()
         except ClientStalled:

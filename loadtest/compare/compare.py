@@ -134,7 +134,7 @@ def _external(text: str) -> tuple[str, str]:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("compare", help=HELP, description=HELP)
     parser.add_argument("--workload", required=True, help="workload spec (see loadtest/client/workloads.py)")
-    parser.add_argument("--policies", default="random,round_robin,least_load,cache_aware",
+    parser.add_argument("--policies", default="random,round_robin,least_load,cache_aware,predictive",
                         help="comma-separated policy names (default: %(default)s)")
     parser.add_argument("--policy-config", help="kvlb config whose policy params apply to that policy")
     parser.add_argument("--live", action="store_true", help="through real replica and kvlb processes")

@@ -68,8 +68,14 @@ class LiveFleet:
         time_scale: float = 10.0,
         model: str = MODEL,
         replica_args: Sequence[str] = (),
+        time_scales: Sequence[float] | None = None,
     ) -> None:
+        """`time_scales`: one per replica, where they differ (a replica at a fifth of the
+        others' time scale runs five times slower than its profile claims)."""
+        if time_scales is not None and len(time_scales) != replicas:
+            raise ValueError(f"{len(time_scales)} time scales for {replicas} replicas")
         self.count = replicas
+        self.time_scales = list(time_scales) if time_scales is not None else [time_scale] * replicas
         self.profile = profile
         self.time_scale = time_scale
         self.model = model
@@ -92,9 +98,9 @@ class LiveFleet:
         """Fresh replicas: empty caches, idle engines."""
         self.stop_replicas()
         self.ports = [free_port() for _ in range(self.count)]
-        for port in self.ports:
+        for port, scale in zip(self.ports, self.time_scales, strict=True):
             self._replicas.append(start_process(
-                replica_command(port, self.profile, self.time_scale, self.model, self.replica_args), self.env
+                replica_command(port, self.profile, scale, self.model, self.replica_args), self.env
             ))
         for url in self.replica_urls:
             await wait_for_http(url + "/health", timeout_s=30)

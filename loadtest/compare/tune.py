@@ -1,7 +1,7 @@
 """`kvlb tune`: search a policy's parameters on a workload and fleet with the offline
 simulator, against an objective the user names, and write the best configuration.
 
-    kvlb tune --workload SPEC [--replicas 8 | --fleet FILE] --policy cache_aware \
+    kvlb tune --workload SPEC [--replicas 8 | --fleet FILE] --policy predictive \
         --param queue_weight=0.25,0.5,1 --param decode_tokens_per_seq=16,32,64 \
         --objective ttft_p99 --out out/tune
 
@@ -157,7 +157,7 @@ def write_report(out_dir: Path, trials: Sequence[Trial], *, objective: str, poli
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("tune", help=HELP, description=HELP)
     parser.add_argument("--workload", required=True, help="workload spec (see loadtest/client/workloads.py)")
-    parser.add_argument("--policy", default="cache_aware", help="the policy to tune (default %(default)s)")
+    parser.add_argument("--policy", default="predictive", help="the policy to tune (default %(default)s)")
     parser.add_argument("--param", action="append", default=[], metavar="NAME=V1,V2,...", required=True,
                         help="a parameter and the values to try; repeat for a grid over several")
     parser.add_argument("--policy-config", help="kvlb config whose policy params and routing section are the base")

@@ -160,7 +160,7 @@ def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("simulate", help=HELP, description=HELP)
     parser.add_argument("--workload", required=True, help="workload spec (see loadtest/client/workloads.py)")
-    parser.add_argument("--policy", default="cache_aware")
+    parser.add_argument("--policy", default="predictive")
     parser.add_argument("--policy-config", help="kvlb config whose policy params and routing section apply")
     parser.add_argument("--seed", type=int, default=0, help="the policy's random seed")
     parser.add_argument("--out", required=True, help="directory for requests.jsonl and summary.json")

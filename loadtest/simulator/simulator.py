@@ -395,7 +395,7 @@ class Simulator:
 
     def _first_token(self, flight: Flight, _version: int) -> None:
         assert flight.journey is not None
-        self.core.first_byte(flight.journey)
+        self.core.first_byte(flight.journey, self.now)
 
     def _finish(self, flight: Flight, _version: int) -> None:
         seq = flight.seq
@@ -406,7 +406,7 @@ class Simulator:
         assert journey is not None and replica is not None and node is not None
         core = self.core
         if journey.phase == PREFILLING:  # a one-token answer: its first token is its last
-            core.first_byte(journey)
+            core.first_byte(journey, self.now)
         core.learn(journey, seq.prompt_tokens, seq.cached_tokens)
         core.answered(journey, self.now, True, None)
         core.end_attempt(journey, answered=True)

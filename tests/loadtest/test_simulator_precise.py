@@ -134,7 +134,7 @@ def test_simulate_precise_writes_its_figures(tmp_path, capsys):
     assert summary["precise"] is True and summary["predicted_within_one_block"] >= 0.95
     first = orjson.loads((out / "requests.jsonl").read_bytes().splitlines()[0])
     assert first["predicted_cached_tokens"] == 0  # nothing cached anywhere yet
-    assert "cache_aware (precise)" in capsys.readouterr().out
+    assert "predictive (precise)" in capsys.readouterr().out
 
 
 def test_compare_refuses_precise_live_runs(tmp_path, capsys):

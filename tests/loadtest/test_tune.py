@@ -20,7 +20,7 @@ def tune(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_tune_ranks_every_combination_and_writes_the_winner_as_a_configuration(tmp_path: Path) -> None:
-    done = tune("--workload", WORKLOAD, "--replicas", "2", "--param", "queue_weight=0,1",
+    done = tune("--workload", WORKLOAD, "--replicas", "2", "--policy", "cache_aware", "--param", "queue_weight=0,1",
                 "--param", "decode_tokens_per_seq=0,64", "--objective", "ttft_p99", "--jobs", "2",
                 "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]

@@ -78,7 +78,8 @@ async def test_reload_through_the_admin_api(monkeypatch: pytest.MonkeyPatch, tmp
     async with AsyncExitStack() as stack:
         a = await stack.enter_async_context(serve_app(make_stub_app("a")))
         b = await stack.enter_async_context(serve_app(make_stub_app("b")))
-        settings = make_settings([{"url": a, "name": "a"}], admin={"token_env": "KVLB_ADMIN_TOKEN"})
+        settings = make_settings([{"url": a, "name": "a"}], admin={"token_env": "KVLB_ADMIN_TOKEN"},
+                                 policy={"name": "least_load"})
         running = await stack.enter_async_context(run_balancer(settings))
         config = tmp_path / "kvlb.yaml"
         running.balancer.config_path = str(config)

@@ -7,21 +7,17 @@ replica's cost is: uncached prompt tokens + queued prefill tokens + 32 per decod
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 
 import pytest
 
-from balancer.config import load_settings
 from policies.base import Choice, ReplicaView, RequestFeatures
 from policies.cache_aware import CacheAwarePolicy
 from policies.registry import POLICIES, make_policy
 from tests.fakes import FakeReplica
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "config" / "cache-aware.yaml"
 TERM_NAMES = {"cached", "uncached", "queued", "decode", "locality", "cost", "wait_ms", "tier"}
 
 
@@ -398,15 +394,3 @@ def test_defaults_match_the_documented_calibration():
     assert (p.tie_tolerance_tokens, p.tie_tolerance_ratio) == (128.0, 0.05)
 
 
-def test_example_config_sets_every_parameter():
-    settings = load_settings(EXAMPLE)
-    assert settings.policy.name == "cache_aware"
-    documented = {
-        name
-        for name, param in inspect.signature(CacheAwarePolicy).parameters.items()
-        if param.kind is inspect.Parameter.KEYWORD_ONLY and name != "seed"
-    }
-    assert set(settings.policy.params) == documented
-    tiers = {r.labels["tier"] for r in settings.replicas}
-    regions = {r.labels["region"] for r in settings.replicas}
-    assert tiers == {"committed", "overflow"} and len(regions) == 2

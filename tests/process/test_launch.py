@@ -148,7 +148,7 @@ def test_print_commands_prints_engines_and_a_valid_configuration(
     assert (settings.listen.host, settings.listen.port) == ("127.0.0.1", 9000)
     assert [r.url for r in settings.replicas] == ["http://127.0.0.1:30000", "http://127.0.0.1:30001"]
     assert [r.kv_events_endpoint for r in settings.replicas] == ["tcp://127.0.0.1:31000", "tcp://127.0.0.1:31001"]
-    assert settings.policy.name == "cache_aware"
+    assert settings.policy.name == "predictive"
     assert settings.kv_events.enabled and settings.kv_events.block_size == 128
     assert settings.kv_events.tokenizer == str(model)
     assert yaml.safe_load(written.read_text()) == data

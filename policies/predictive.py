@@ -1,0 +1,300 @@
+"""Predictive: each replica priced in predicted milliseconds, this request's and the fleet's.
+
+`cache_aware` counts prefill-token equivalents with fixed weights, which serves one load
+and one kind of card. This policy predicts time with the replica's engine model (the
+chunked-prefill iteration formula of docs/calibration.md) fed with the load the balancer
+has routed there, and a speed per replica fitted online from the times to first token the
+balancer observes (`balancer/routing/latency.py`), so a replica slower than its profile
+claims loses its share without anyone re-deriving weights. For replica r (all in ms)::
+
+    batch   = D·d1 + X·d2                    what r's decode batch adds to each iteration
+    model   = (q·b + P + (1.5 + (q + u)/chunk)·(a + batch)) / w
+    decode  = decode_weight · (1 − β)² · n · batch · v / w
+    fleet   = fleet_weight · β · (P + fleet_decode_weight · n·D·(d1 + d2·(p + n/2))) · v / w
+    cost    = model·v + decode + fleet + locality
+
+with P = u·b + k·u·(c + u/2) the request's own prefill there, p the prompt's tokens, c those
+r holds cached, u = p − c, q the prefill queued on r, D the sequences r decodes and X their
+context tokens, n the expected output (`max_tokens`, capped at `max_output_tokens`; else
+`default_output_tokens`), w r's weight and v its relative speed: its fitted multiplier over
+the candidates' median, or 1.0 while within `speed_tolerance` of it (replicas of one kind
+stay equal instead of ranking on the noise of the loads each happened to see; an error
+common to the fleet, such as a profile a little off, cancels).
+
+`model` is this request's own time to first token. `decode` is what the batch it joins does
+to its own tokens: without it a light load piles onto the few warm replicas, and every
+token of every sequence there is slower than on an idle one. `fleet` is what the placement
+costs everyone else: the GPU time of its prefill (nothing on a full hit) and the slowdown
+its decode adds to the sequences beside it. β = m / (m + busy_reference_ms), m the shortest
+prefill backlog (ms) among the candidates, says how saturated the fleet is: 0 while some
+replica is idle, so a light load gets the fastest answer; near 1 when every replica queues,
+when each prefill token saved is GPU time given back to everyone waiting, so an overloaded
+fleet keeps its cache hits instead of turning into least-load, and the decode term fades
+out because prefill, not the batch, is then what every request waits for.
+
+The hot-spot guard, the near-tie spread, locality and tiers are cache_aware's, in
+milliseconds: the load the balancer adds the moment it routes a request (queued prefill, a
+decode slot, its context) makes a hot replica's cost grow until a cold one is cheaper;
+costs within ``tie_tolerance_ms + tie_tolerance_ratio · cost`` swap at random; replicas
+labelled `tier: overflow` compete only once the best committed replica's predicted time to
+first token exceeds `overflow_after_ms`.
+
+Each Choice's terms, all floats: ``cached`` (predicted cached tokens there),
+``model_ttft_ms`` (`model`: what the routing core compares with the observed time to fit
+the replica's multiplier), ``ttft_ms`` (model × the fitted multiplier: the prediction in
+this fleet's own milliseconds), ``speed`` (v), ``decode_ms``, ``fleet_ms``, ``locality_ms``,
+``busy`` (β), ``cost``, ``wait_ms`` (= ttft_ms, for the overflow decision) and ``tier``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from policies.base import Choice, Policy, ReplicaView, RequestFeatures
+from policies.cache_aware import OVERFLOW_TIER, number_param, rank_with_tiers
+
+
+class PredictivePolicy(Policy):
+    """Lowest predicted milliseconds first: this request's wait, its decode, the fleet's work.
+
+    Engine model (defaults: llama-3.1-8b / H100 / TP1, docs/calibration.md):
+
+    iteration_ms (a, ms, >= 0; default 5.3)
+        Fixed cost of an engine iteration that prefills.
+    prefill_ms_per_token (b, ms, > 0; default 0.0191)
+        Linear prefill cost per prompt token (≈ 52 tokens per ms).
+    attention_ms_per_token2 (k, ms, >= 0; default 7.4e-7)
+        Attention cost of a prefilled token per token before it.
+    decode_ms_per_seq (d1, ms, >= 0; default 0.009)
+        Iteration cost per decoding sequence.
+    decode_ms_per_context_token (d2, ms, >= 0; default 4.39e-5)
+        Iteration cost per context token of the decoding sequences.
+    chunk_tokens (tokens, >= 1; default 8192)
+        Prefill tokens one iteration takes (vLLM's max_num_batched_tokens, SGLang's
+        chunked_prefill_size): a long queue is that many iterations.
+
+    Weights:
+
+    decode_weight (>= 0; default 0.6)
+        Weight of the batch's effect on this request's own decode, at β = 0.
+    fleet_weight (>= 0; default 4.0)
+        Weight of the fleet's work at β = 1: 4 prices one ms of GPU time spent on this
+        request's prefill as four ms of the waits of those queued behind it.
+    fleet_decode_weight (>= 0; default 0.0)
+        Weight, inside the fleet's work, of the slowdown this request's decode adds to the
+        sequences beside it. Off by default: on the shared trace in overload it spread
+        decode at the expense of cache hits (hit 0.207 and TTFT p99 12.7 s at 1.0, against
+        0.224 and 7.4 s at 0, 4x speed-up on 8 replicas).
+    busy_reference_ms (ms, > 0; default 30.0)
+        The shortest candidate backlog at which β is one half.
+    use_fitted_speed (true or false; default true)
+        Rank on each replica's fitted speed; false trusts the profile (and the weights).
+    speed_tolerance (fraction, >= 0; default 0.3)
+        Fitted speeds within this fraction of the candidates' median count as equal.
+    default_output_tokens (tokens, >= 0; default 256)
+        Expected output when the request names no `max_tokens`.
+    max_output_tokens (tokens, >= 1; default 2048)
+        Cap on the expected output read from `max_tokens` (clients often name a bound far
+        above what they get).
+
+    Locality, tiers and ties:
+
+    same_region_penalty_ms (ms, >= 0; default 0.0), other_region_penalty_ms (ms, >=
+    same_region_penalty_ms; default 95.0: a cross-region round trip),
+    overflow_after_ms (ms, >= 0; default 1000.0), tie_tolerance_ms (ms, >= 0; default 3.0),
+    tie_tolerance_ratio (fraction of the cost, 0..1; default 0.01).
+    """
+
+    name = "predictive"
+    needs_prompt = True
+
+    def __init__(
+        self,
+        *,
+        iteration_ms: float = 5.3,
+        prefill_ms_per_token: float = 0.0191,
+        attention_ms_per_token2: float = 7.4e-7,
+        decode_ms_per_seq: float = 0.009,
+        decode_ms_per_context_token: float = 4.39e-5,
+        chunk_tokens: float = 8192,
+        decode_weight: float = 0.6,
+        fleet_weight: float = 4.0,
+        fleet_decode_weight: float = 0.0,
+        use_fitted_speed: bool = True,
+        speed_tolerance: float = 0.3,
+        busy_reference_ms: float = 30.0,
+        default_output_tokens: float = 256,
+        max_output_tokens: float = 2048,
+        same_region_penalty_ms: float = 0.0,
+        other_region_penalty_ms: float = 95.0,
+        overflow_after_ms: float = 1000.0,
+        tie_tolerance_ms: float = 3.0,
+        tie_tolerance_ratio: float = 0.01,
+        seed: int | None = None,
+        **params: Any,
+    ) -> None:
+        super().__init__(seed=seed, **params)
+        self.iteration_ms = number_param("iteration_ms", iteration_ms, "ms")
+        self.prefill_ms_per_token = number_param(
+            "prefill_ms_per_token", prefill_ms_per_token, "ms per token", positive=True
+        )
+        self.attention_ms_per_token2 = number_param(
+            "attention_ms_per_token2", attention_ms_per_token2, "ms per token squared"
+        )
+        self.decode_ms_per_seq = number_param("decode_ms_per_seq", decode_ms_per_seq, "ms per sequence")
+        self.decode_ms_per_context_token = number_param(
+            "decode_ms_per_context_token", decode_ms_per_context_token, "ms per context token"
+        )
+        self.chunk_tokens = number_param("chunk_tokens", chunk_tokens, "tokens", positive=True)
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1 (tokens), got {chunk_tokens!r}")
+        self.decode_weight = number_param("decode_weight", decode_weight, "weight")
+        self.fleet_weight = number_param("fleet_weight", fleet_weight, "weight")
+        self.fleet_decode_weight = number_param("fleet_decode_weight", fleet_decode_weight, "weight")
+        if not isinstance(use_fitted_speed, bool):
+            raise ValueError(f"use_fitted_speed must be true or false, got {use_fitted_speed!r}")
+        self.use_fitted_speed = use_fitted_speed
+        self.speed_tolerance = number_param("speed_tolerance", speed_tolerance, "fraction")
+        self._speed_band = 1.0 + self.speed_tolerance
+        self.busy_reference_ms = number_param(
+            "busy_reference_ms", busy_reference_ms, "ms", positive=True
+        )
+        self.default_output_tokens = number_param("default_output_tokens", default_output_tokens, "tokens")
+        self.max_output_tokens = number_param("max_output_tokens", max_output_tokens, "tokens", positive=True)
+        self.same_region_penalty_ms = number_param("same_region_penalty_ms", same_region_penalty_ms, "ms")
+        self.other_region_penalty_ms = number_param("other_region_penalty_ms", other_region_penalty_ms, "ms")
+        if self.other_region_penalty_ms < self.same_region_penalty_ms:
+            raise ValueError(
+                "other_region_penalty_ms (ms) must be >= same_region_penalty_ms, "
+                f"got {self.other_region_penalty_ms!r} < {self.same_region_penalty_ms!r}"
+            )
+        self.overflow_after_ms = number_param("overflow_after_ms", overflow_after_ms, "ms")
+        self.tie_tolerance_ms = number_param("tie_tolerance_ms", tie_tolerance_ms, "ms")
+        self.tie_tolerance_ratio = number_param("tie_tolerance_ratio", tie_tolerance_ratio, "fraction of the cost")
+        if self.tie_tolerance_ratio > 1.0:
+            raise ValueError(
+                "tie_tolerance_ratio must be between 0 and 1 (fraction of the cost), "
+                f"got {self.tie_tolerance_ratio!r}"
+            )
+
+    def expected_output(self, request: RequestFeatures) -> float:
+        wanted = request.max_tokens
+        if wanted is None or wanted < 0:
+            return self.default_output_tokens
+        return min(float(wanted), self.max_output_tokens)
+
+    def _relative_speeds(self, replicas: Sequence[ReplicaView]) -> list[float] | None:
+        """Each replica's fitted multiplier over the candidates' median, 1.0 inside the
+        tolerance; None when every one is inside it.
+
+        Relative, because the ranking needs only who is slower than whom: an error common
+        to the whole fleet (a profile a little off, a network in front) cancels. The
+        tolerance keeps replicas of one kind equal: their fits differ by the noise of the
+        loads each happened to see, and ranking on that noise would cost cache hits."""
+        fits = [r.ttft_scale for r in replicas]
+        ordered = sorted(fits)
+        mid = len(ordered) // 2
+        median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+        low, high = median / self._speed_band, median * self._speed_band
+        if ordered[0] >= low and ordered[-1] <= high:
+            return None
+        return [1.0 if low <= f <= high else f / median for f in fits]
+
+    def rank(self, request: RequestFeatures, replicas: Sequence[ReplicaView]) -> list[Choice]:
+        prompt = request.prompt_tokens
+        if prompt < 0:
+            prompt = 0
+        cached_of = request.cached_tokens.get
+        origin = request.origin_region
+        a = self.iteration_ms
+        b = self.prefill_ms_per_token
+        k = self.attention_ms_per_token2
+        d1 = self.decode_ms_per_seq
+        d2 = self.decode_ms_per_context_token
+        inv_chunk = 1.0 / self.chunk_tokens
+        n = self.expected_output(request)
+        # What one more sequence of this request's length adds to each iteration it shares.
+        per_seq_added = d1 + d2 * (prompt + n / 2)
+        decode_w = self.decode_weight
+        fleet_decode_w = self.fleet_decode_weight
+        same_pen = self.same_region_penalty_ms
+        other_pen = self.other_region_penalty_ms
+        tol_abs = self.tie_tolerance_ms
+        tol_rel = self.tie_tolerance_ratio
+        rand = self.rng.random
+        fitted = self.use_fitted_speed
+
+        scales = self._relative_speeds(replicas) if fitted else None
+        # β from the shortest backlog: some idle replica means the fleet is not saturated.
+        shortest = math.inf
+        for j, r in enumerate(replicas):
+            backlog = r.prefill_tokens_queued * b * (scales[j] if scales else 1.0) / r.weight
+            if backlog < shortest:
+                shortest = backlog
+        busy = shortest / (shortest + self.busy_reference_ms) if shortest > 0 else 0.0
+        fleet_w = self.fleet_weight * busy
+        # The batch a request joins matters to its own tokens while the fleet has room; once
+        # every replica is queueing, GPU time spent on prefill is what everyone waits for.
+        decode_w *= (1.0 - busy) ** 2
+
+        choices: list[Choice] = []
+        keys: list[float] = []
+        overflow: list[int] = []
+        best_committed_wait = math.inf
+        i = 0
+        for r in replicas:
+            cached = cached_of(r.name, 0)
+            if cached > prompt:
+                cached = prompt
+            elif cached < 0:
+                cached = 0
+            uncached = prompt - cached
+            queued = r.prefill_tokens_queued
+            decoding = r.decoding
+            speed = scales[i] if scales else 1.0
+            per = speed / r.weight
+            batch = decoding * d1 + r.context_tokens * d2
+            own_prefill = uncached * b + k * uncached * (cached + uncached * 0.5)
+            model_ttft = (queued * b + own_prefill + (1.5 + (queued + uncached) * inv_chunk) * (a + batch)) / r.weight
+            ttft = model_ttft * r.ttft_scale
+            decode = decode_w * n * batch * per
+            fleet = (own_prefill + fleet_decode_w * n * decoding * per_seq_added) * per * fleet_w
+            labels = r.labels
+            if origin is None:
+                locality = 0.0
+            else:
+                region = labels.get("region")
+                if region is None:
+                    locality = 0.0
+                elif region == origin:
+                    locality = same_pen
+                else:
+                    locality = other_pen
+            cost = model_ttft * speed + decode + fleet + locality
+            choices.append(
+                Choice(
+                    r,
+                    {
+                        "cached": cached + 0.0,
+                        "ttft_ms": ttft,
+                        "model_ttft_ms": model_ttft,
+                        "decode_ms": decode,
+                        "fleet_ms": fleet,
+                        "locality_ms": locality,
+                        "busy": busy,
+                        "speed": speed,
+                        "cost": cost,
+                        "wait_ms": ttft,
+                        "tier": 0.0,
+                    },
+                )
+            )
+            keys.append(cost + rand() * (tol_abs + tol_rel * cost))
+            if labels.get("tier") == OVERFLOW_TIER:
+                overflow.append(i)
+            elif ttft < best_committed_wait:
+                best_committed_wait = ttft
+            i += 1
+        return rank_with_tiers(choices, keys, overflow, best_committed_wait, self.overflow_after_ms)

@@ -1,0 +1,169 @@
+"""The predictive policy, checked against hand-made fleets: it predicts milliseconds with
+the engine model, keeps cache hits when the whole fleet is busy, spreads decode at light
+load, avoids a replica fitted as slow, and keeps cache_aware's guard, ties, locality and
+tiers."""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+from balancer.config import load_settings
+from policies.base import RequestFeatures
+from policies.predictive import PredictivePolicy
+from policies.registry import POLICIES, make_policy
+from tests.fakes import FakeReplica
+
+TERMS = {"cached", "ttft_ms", "model_ttft_ms", "decode_ms", "fleet_ms", "locality_ms", "busy", "speed",
+         "cost", "wait_ms", "tier"}
+
+
+def request(prompt_tokens: int, cached: Mapping[str, int] | None = None, *, max_tokens: int | None = None,
+            origin_region: str | None = None) -> RequestFeatures:
+    return RequestFeatures(route="/v1/chat/completions", model="m", prompt_tokens=prompt_tokens,
+                           cached_tokens=dict(cached or {}), max_tokens=max_tokens, origin_region=origin_region)
+
+
+def first(policy: PredictivePolicy, fleet: list[FakeReplica], req: RequestFeatures) -> str:
+    return policy.rank(req, fleet)[0].replica.name
+
+
+def picks(policy: PredictivePolicy, fleet: list[FakeReplica], req: RequestFeatures, n: int = 200) -> Counter[str]:
+    return Counter(first(policy, fleet, req) for _ in range(n))
+
+
+def test_registered_and_asks_for_the_prompt() -> None:
+    assert POLICIES["predictive"] is PredictivePolicy
+    assert PredictivePolicy.needs_prompt
+
+
+@pytest.mark.parametrize("params", [
+    {"prefill_ms_per_token": 0}, {"fleet_weight": -1}, {"busy_reference_ms": 0}, {"chunk_tokens": 0.5},
+    {"tie_tolerance_ratio": 2}, {"other_region_penalty_ms": 1, "same_region_penalty_ms": 2},
+    {"decode_weight": "much"}, {"no_such_knob": 1},
+])
+def test_bad_parameters_are_refused_by_name(params: dict) -> None:
+    with pytest.raises(ValueError, match=next(iter(params))):
+        make_policy("predictive", params)
+
+
+def test_every_replica_once_with_terms_that_add_up() -> None:
+    fleet = [FakeReplica(f"r{i}", prefill_tokens_queued=1000 * i, decoding=i, context_tokens=4000 * i) for i in range(5)]
+    ranked = make_policy("predictive", seed=1).rank(request(4000, {"r2": 2000}), fleet)
+    assert sorted(c.replica.name for c in ranked) == [f"r{i}" for i in range(5)]
+    for choice in ranked:
+        t = choice.terms
+        assert set(t) == TERMS
+        assert t["cost"] == pytest.approx(t["model_ttft_ms"] * t["speed"] + t["decode_ms"] + t["fleet_ms"] + t["locality_ms"])
+        assert t["ttft_ms"] == pytest.approx(t["model_ttft_ms"] * choice.replica.ttft_scale)
+
+
+def test_an_idle_fleet_predicts_a_lone_prefill() -> None:
+    policy = make_policy("predictive", {"tie_tolerance_ms": 0, "tie_tolerance_ratio": 0})
+    choice = policy.rank(request(4096), [FakeReplica("r")])[0]
+    # 4,096 tokens at 0.0191 ms plus their attention and one and a half iterations: ~95 ms.
+    assert 85 < choice.terms["ttft_ms"] < 105
+    assert choice.terms["busy"] == 0 and choice.terms["fleet_ms"] == 0
+
+
+def test_a_cached_prefix_wins_on_an_idle_fleet() -> None:
+    fleet = [FakeReplica(f"r{i}") for i in range(4)]
+    assert picks(make_policy("predictive", seed=2), fleet, request(8000, {"r3": 7800})) == {"r3": 200}
+
+
+def test_a_hot_replica_loses_once_its_queue_outweighs_the_prefix() -> None:
+    fleet = [FakeReplica("hot", prefill_tokens_queued=40_000), FakeReplica("cold")]
+    assert first(make_policy("predictive", seed=3), fleet, request(8000, {"hot": 8000})) == "cold"
+
+
+def test_an_overloaded_fleet_keeps_the_hit_where_the_myopic_choice_would_not() -> None:
+    # Every replica has a backlog. On its own first token the request is a little faster on
+    # the shorter queue; counting the 8,000 tokens of GPU time it would spend there (and take
+    # from everyone queued behind it), the replica holding its prefix is the better place.
+    fleet = [FakeReplica("holder", prefill_tokens_queued=20_000), FakeReplica("short", prefill_tokens_queued=9_000)]
+    req = request(10_000, {"holder": 8_000})
+    myopic = make_policy("predictive", {"fleet_weight": 0, "tie_tolerance_ms": 0, "tie_tolerance_ratio": 0})
+    assert first(myopic, fleet, req) == "short"
+    policy = make_policy("predictive", {"tie_tolerance_ms": 0, "tie_tolerance_ratio": 0})
+    ranked = policy.rank(req, fleet)
+    assert ranked[0].replica.name == "holder"
+    assert 0.5 < ranked[0].terms["busy"] < 1
+
+
+def test_light_load_spreads_decode_instead_of_piling_onto_warm_replicas() -> None:
+    # A shared 8k prompt: "warm" holds it but already decodes 24 sequences; "cold" is idle.
+    warm = FakeReplica("warm", decoding=24, context_tokens=24 * 8200)
+    fleet = [warm, FakeReplica("cold")]
+    req = request(8200, {"warm": 8000}, max_tokens=200)
+    assert first(make_policy("predictive", seed=4), fleet, req) == "cold"
+    # A one-token answer has no decode to slow down: the warm replica answers first.
+    assert first(make_policy("predictive", seed=4), fleet, request(8200, {"warm": 8000}, max_tokens=1)) == "warm"
+    # And without the decode term the policy is the myopic time to first token.
+    assert first(make_policy("predictive", {"decode_weight": 0}, seed=4), fleet, req) == "warm"
+
+
+def test_a_replica_fitted_as_slow_gets_work_only_when_the_others_are_busier() -> None:
+    slow = FakeReplica("slow", ttft_scale=5.0)
+    fleet = [slow, FakeReplica("a", prefill_tokens_queued=3000), FakeReplica("b", prefill_tokens_queued=3000)]
+    assert picks(make_policy("predictive", seed=5), fleet, request(1500))["slow"] == 0
+    for r in fleet[1:]:
+        r.prefill_tokens_queued = 60_000
+    assert picks(make_policy("predictive", seed=5), fleet, request(1500))["slow"] == 200
+
+
+def test_weight_reads_as_speed() -> None:
+    fleet = [FakeReplica("fast", weight=2.0, prefill_tokens_queued=6000), FakeReplica("slow", prefill_tokens_queued=4000)]
+    assert first(make_policy("predictive", seed=6), fleet, request(2000)) == "fast"
+
+
+def test_near_ties_spread_and_clear_winners_do_not() -> None:
+    fleet = [FakeReplica(f"r{i}") for i in range(4)]
+    spread = picks(make_policy("predictive", seed=7), fleet, request(100), n=400)
+    assert len(spread) == 4 and min(spread.values()) > 50
+
+
+def test_another_region_costs_a_round_trip() -> None:
+    fleet = [FakeReplica("east", labels={"region": "us-east"}, prefill_tokens_queued=2000),
+             FakeReplica("west", labels={"region": "us-west"})]
+    assert first(make_policy("predictive", seed=8), fleet, request(1000, origin_region="us-east")) == "east"
+    assert first(make_policy("predictive", seed=8), fleet, request(1000, origin_region="us-west")) == "west"
+
+
+def test_overflow_replicas_wait_behind_committed_ones_until_the_wait_is_too_long() -> None:
+    spot = FakeReplica("spot", labels={"tier": "overflow"})
+    base = FakeReplica("base", labels={"tier": "committed"}, prefill_tokens_queued=20_000)
+    policy = make_policy("predictive", seed=9)
+    ranked = policy.rank(request(1000), [spot, base])
+    assert [c.replica.name for c in ranked] == ["base", "spot"] and ranked[1].terms["tier"] == 1.0
+    base.prefill_tokens_queued = 80_000  # over a second and a half of prefill ahead
+    assert first(policy, [spot, base], request(1000)) == "spot"
+
+
+def test_replicas_of_one_kind_stay_equal_despite_the_noise_of_their_fits() -> None:
+    fleet = [FakeReplica(f"r{i}", ttft_scale=s) for i, s in enumerate((0.9, 1.0, 1.1, 1.2))]
+    spread = picks(make_policy("predictive", seed=10), fleet, request(100), n=400)
+    assert len(spread) == 4 and min(spread.values()) > 50
+    fleet[0].ttft_scale = 5.0
+    assert picks(make_policy("predictive", seed=10), fleet, request(100), n=400)["r0"] == 0
+    # Told to trust the profile, the policy ignores the fit.
+    trusting = make_policy("predictive", {"use_fitted_speed": False}, seed=10)
+    assert picks(trusting, fleet, request(100), n=400)["r0"] > 50
+    with pytest.raises(ValueError, match="use_fitted_speed"):
+        make_policy("predictive", {"use_fitted_speed": "no"})
+
+
+def test_every_parameter_is_documented_and_the_example_config_uses_the_policy() -> None:
+    root = Path(__file__).resolve().parents[2]
+    documented = (root / "config" / "balancer.yaml").read_text()
+    params = [name for name, p in inspect.signature(PredictivePolicy).parameters.items()
+              if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "seed"]
+    missing = [name for name in params if f"#   {name}: " not in documented]
+    assert not missing
+    settings = load_settings(root / "config" / "cache-aware.yaml")
+    assert settings.policy.name == "predictive"
+    make_policy(settings.policy.name, settings.policy.params)  # every value it sets is valid
+    assert {r.labels["tier"] for r in settings.replicas} == {"committed", "overflow"}

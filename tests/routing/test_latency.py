@@ -1,0 +1,106 @@
+"""Each replica's fitted speed: it follows a replica slower or faster than its profile,
+resists single outliers, stays bounded, and learns only from streamed first bytes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from balancer.config import ReplicaSettings, RoutingSettings
+from balancer.routing.admission import AdmissionQueue
+from balancer.routing.core import CoreSettings, RoutingCore
+from balancer.routing.fleet import Fleet
+from balancer.routing.latency import MAX_SCALE, MIN_SCALE, LatencyFit
+from balancer.routing.tracker import CacheTracker
+from policies.base import RequestFeatures
+from policies.registry import make_policy
+
+PROMPT = "a prompt of some length " * 200
+
+
+def test_a_replica_five_times_slower_is_found_within_twenty_answers() -> None:
+    fit = LatencyFit()
+    for _ in range(20):
+        fit.observe(observed_ms=500.0, model_ms=100.0)
+    assert 4.0 < fit.scale <= 5.0
+    assert fit.samples == 20
+    assert fit.last_error == pytest.approx(500.0 / 100.0 / fit.scale, rel=0.3)
+
+
+def test_a_faster_replica_is_found_too_and_the_error_shrinks_as_it_learns() -> None:
+    fit = LatencyFit()
+    errors = [fit.observe(50.0, 100.0) for _ in range(30)]
+    assert fit.scale == pytest.approx(0.5, rel=0.05)
+    assert errors[0] == pytest.approx(0.5)
+    assert errors[-1] == pytest.approx(1.0, rel=0.05)
+
+
+def test_one_outlier_moves_the_fit_by_a_bounded_step() -> None:
+    fit = LatencyFit()
+    for _ in range(30):
+        fit.observe(100.0, 100.0)
+    fit.observe(60_000.0, 100.0)  # one request stalled for a minute
+    assert fit.scale < 1.51
+    for _ in range(10):
+        fit.observe(100.0, 100.0)
+    assert fit.scale < 1.1
+
+
+def test_the_multiplier_stays_inside_its_bounds() -> None:
+    slow, fast = LatencyFit(), LatencyFit()
+    for _ in range(500):
+        slow.observe(1e9, 10.0)
+        fast.observe(1e-9, 10.0)
+    assert slow.scale == pytest.approx(MAX_SCALE)
+    assert fast.scale == pytest.approx(MIN_SCALE)
+
+
+@pytest.mark.parametrize("observed, model", [(0.0, 100.0), (-5.0, 100.0), (math.inf, 100.0),
+                                             (math.nan, 100.0), (100.0, 0.0), (100.0, 0.5)])
+def test_samples_that_teach_nothing_are_ignored(observed: float, model: float) -> None:
+    fit = LatencyFit()
+    assert fit.observe(observed, model) is None
+    assert fit.scale == 1.0 and fit.samples == 0
+
+
+def _core(now: list[float]) -> tuple[RoutingCore, Fleet]:
+    fleet = Fleet([ReplicaSettings(url="http://127.0.0.1:9001", name="r")])
+    core = RoutingCore(fleet, make_policy("predictive"), CacheTracker(RoutingSettings(), lambda: now[0]),
+                       AdmissionQueue(8, 8), CoreSettings(), call_at=lambda when, cb: None)
+    return core, fleet
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_core_fits_a_replica_from_streamed_first_bytes_only(stream: bool) -> None:
+    now = [0.0]
+    core, fleet = _core(now)
+    replica = fleet.replicas[0]
+    for i in range(15):
+        now[0] = float(i)
+        features = RequestFeatures("/v1/completions", stream=stream)
+        journey = core.plan("/v1/completions", features, PROMPT + str(i), fleet.replicas)
+        assert core.next_attempt(journey, now[0]) is replica
+        predicted = journey.model_ttft_ms
+        assert predicted > 1.0
+        error = core.first_byte(journey, now[0] + 4 * predicted / 1000.0)  # four times slower
+        core.end_attempt(journey, answered=True)
+        assert (error is not None) == stream
+    if stream:
+        assert replica.ttft_scale > 3.0 and replica.latency.samples == 15
+    else:
+        assert replica.ttft_scale == 1.0 and replica.latency.samples == 0
+    assert replica.context_tokens == 0 and replica.decoding == 0
+
+
+def test_the_context_of_decoding_requests_is_counted_while_they_run() -> None:
+    now = [0.0]
+    core, fleet = _core(now)
+    replica = fleet.replicas[0]
+    journey = core.plan("/v1/completions", RequestFeatures("/v1/completions"), PROMPT, fleet.replicas)
+    core.next_attempt(journey, 0.0)
+    assert replica.context_tokens == journey.features.prompt_tokens > 0
+    core.first_byte(journey, 0.1)
+    assert replica.context_tokens == journey.features.prompt_tokens
+    core.end_attempt(journey, answered=True)
+    assert replica.context_tokens == 0
