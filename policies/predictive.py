@@ -185,7 +185,7 @@ class PredictivePolicy(Policy):
             return self.default_output_tokens
         return min(float(wanted), self.max_output_tokens)
 
-    def _relative_speeds(self, replicas: Sequence[ReplicaView]) -> list[float] | None:
+    def _relative_speeds(self, fits: list[float]) -> list[float] | None:
         """Each replica's fitted multiplier over the candidates' median, 1.0 inside the
         tolerance; None when every one is inside it.
 
@@ -193,7 +193,6 @@ class PredictivePolicy(Policy):
         to the whole fleet (a profile a little off, a network in front) cancels. The
         tolerance keeps replicas of one kind equal: their fits differ by the noise of the
         loads each happened to see, and ranking on that noise would cost cache hits."""
-        fits = [r.ttft_scale for r in replicas]
         ordered = sorted(fits)
         mid = len(ordered) // 2
         median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
@@ -226,7 +225,8 @@ class PredictivePolicy(Policy):
         rand = self.rng.random
         fitted = self.use_fitted_speed
 
-        scales = self._relative_speeds(replicas) if fitted else None
+        fits = [r.ttft_scale for r in replicas]
+        scales = self._relative_speeds(fits) if fitted and min(fits) != max(fits) else None
         # β from the shortest backlog: some idle replica means the fleet is not saturated.
         shortest = math.inf
         for j, r in enumerate(replicas):
@@ -258,7 +258,7 @@ class PredictivePolicy(Policy):
             batch = decoding * d1 + r.context_tokens * d2
             own_prefill = uncached * b + k * uncached * (cached + uncached * 0.5)
             model_ttft = (queued * b + own_prefill + (1.5 + (queued + uncached) * inv_chunk) * (a + batch)) / r.weight
-            ttft = model_ttft * r.ttft_scale
+            ttft = model_ttft * fits[i]
             decode = decode_w * n * batch * per
             fleet = (own_prefill + fleet_decode_w * n * decoding * per_seq_added) * per * fleet_w
             labels = r.labels

@@ -36,17 +36,15 @@ _LOG_MIN, _LOG_MAX = math.log(MIN_SCALE), math.log(MAX_SCALE)
 class LatencyFit:
     """One replica's fitted multiplier on its profile's predicted time to first token."""
 
-    __slots__ = ("_log_scale", "samples", "last_error")
+    __slots__ = ("_log_scale", "scale", "samples", "last_error")
 
     def __init__(self) -> None:
         self._log_scale = 0.0
+        # Kept beside its log: policies read it for every replica of every decision.
+        self.scale = 1.0
         self.samples = 0
         # The last observed / predicted ratio with the multiplier applied (1.0 is exact).
         self.last_error = 1.0
-
-    @property
-    def scale(self) -> float:
-        return math.exp(self._log_scale)
 
     def observe(self, observed_ms: float, model_ms: float) -> float | None:
         """One first byte: `model_ms` is the profile's prediction before the multiplier.
@@ -62,6 +60,7 @@ class LatencyFit:
         elif step < -MAX_STEP:
             step = -MAX_STEP
         self._log_scale = min(_LOG_MAX, max(_LOG_MIN, self._log_scale + step))
+        self.scale = math.exp(self._log_scale)
         self.samples += 1
         self.last_error = error
         return error
@@ -69,5 +68,6 @@ class LatencyFit:
     def reset(self) -> None:
         """A replica that came back (restarted, replaced) is judged afresh."""
         self._log_scale = 0.0
+        self.scale = 1.0
         self.samples = 0
         self.last_error = 1.0

@@ -1,14 +1,16 @@
 """Routing-cost benchmark: prefix hashing + index walk + scoring, and index memory per entry.
 
 Route time covers hashing the canonical prompt (lazily), `PrefixIndex.match`, and ranking 16
-replicas with the real `cache_aware` policy (balancer.routing.fleet.Replica objects with random loads). Prompts are synthetic text, 4 characters a token. The index is
+replicas with the real policy (`--policy`, default predictive; balancer.routing.fleet.Replica
+objects with random loads). A last part ranks 200 such replicas, 20 of them holding part of
+the prompt: what one decision costs on a large fleet (floor 1 ms). Prompts are synthetic text, 4 characters a token. The index is
 filled first with sessions that share a system prompt. Of the routed prompt's own blocks,
 2 replicas hold all, 4 hold half, 6 hold the system prompt and 4 hold none (most of those 4
 hold the system prompt anyway, through other sessions). Other prompts fill the index to about
 a million entries. Then memory: an index filled to 1,000,000 replica x block entries,
 measured with tracemalloc and as the change in RSS.
 
-    python -m loadtest.bench.routing [--scale 1.0] [--no-memory]
+    python -m loadtest.bench.routing [--scale 1.0] [--no-memory] [--policy predictive]
 
 Floors (from the issue): median route <= 150 us at 8k tokens and <= 500 us at 32k;
 1,000,000 entries in <= 300 MB.
@@ -86,7 +88,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def bench_routes(scale: float) -> dict[int, float]:
+def bench_routes(scale: float, policy_name: str = "predictive") -> dict[int, float]:
     rng = random.Random(7)
     clock = time.monotonic
     index = PrefixIndex(tokens_per_block=hasher.tokens_per_block, clock=clock)
@@ -100,7 +102,7 @@ def bench_routes(scale: float) -> dict[int, float]:
         replica.in_flight = rng.randrange(8)
         replica.prefill_tokens_queued = rng.randrange(4) * 2048
         replica.decoding = replica.in_flight
-    policy = make_policy("cache_aware", seed=7)
+    policy = make_policy(policy_name, seed=7)
     tpb = hasher.tokens_per_block
     perf = time.perf_counter_ns
 
@@ -161,6 +163,36 @@ def bench_routes(scale: float) -> dict[int, float]:
     print("hashed: blocks hashed by the route (lazily); of 62 / 500 / 2000 / 8000.\n"
           "record: held = refresh every block; new session = finish hashing, add the blocks.")
     return medians
+
+
+FLEET_RANK_FLOOR_US = 1000.0
+
+
+def bench_fleet_rank(policy_name: str, replicas_n: int = 200, calls: int = 2000) -> float:
+    """Median microseconds to rank `replicas_n` loaded replicas for one 8k-token prompt."""
+    rng = random.Random(11)
+    replicas = [Replica(ReplicaSettings(url=f"http://10.1.{i // 250}.{i % 250}:8000", name=f"gpu-{i:03d}"))
+                for i in range(replicas_n)]
+    for replica in replicas:
+        replica.in_flight = replica.decoding = rng.randrange(32)
+        replica.prefill_tokens_queued = rng.randrange(8) * 2048
+        replica.context_tokens = replica.decoding * 4096
+    features = RequestFeatures(
+        route="/v1/chat/completions", prompt_tokens=8000,
+        cached_tokens={r.name: rng.randrange(8000) for r in rng.sample(replicas, 20)},
+    )
+    policy = make_policy(policy_name, seed=7)
+    perf = time.perf_counter_ns
+    times = []
+    for _ in range(calls):
+        t0 = perf()
+        policy.rank(features, replicas)
+        times.append((perf() - t0) / 1e3)
+    median = statistics.median(times[calls // 10:])
+    print(f"rank {replicas_n} replicas, 8k-token prompt: p50 {median:.0f} us, p99 "
+          f"{percentile(times, 0.99):.0f} us (floor {FLEET_RANK_FLOOR_US:.0f} us): "
+          f"{'PASS' if median <= FLEET_RANK_FLOOR_US else 'FAIL'}")
+    return median
 
 
 def rss_bytes() -> int:
@@ -229,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the route counts")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory part")
+    parser.add_argument("--policy", default="predictive", help="the policy that ranks (default %(default)s)")
     parser.add_argument("--rss-child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rss_child is not None:
@@ -236,10 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"python -m loadtest.bench.routing {' '.join(argv or sys.argv[1:])}".rstrip())
     print(f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs; block = "
-          f"{hasher.block_chars} chars = {hasher.tokens_per_block:g} tokens; scoring is a "
-          "the cache_aware policy over 16 replicas")
-    medians = bench_routes(args.scale)
+          f"{hasher.block_chars} chars = {hasher.tokens_per_block:g} tokens; scoring is "
+          f"the {args.policy} policy over 16 replicas")
+    medians = bench_routes(args.scale, args.policy)
     ok = all(medians[size] <= floor for size, floor in FLOORS_US.items())
+    ok = bench_fleet_rank(args.policy) <= FLEET_RANK_FLOOR_US and ok
     if not args.no_memory:
         per_million = bench_memory()
         worst = max(per_million)
