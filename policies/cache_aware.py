@@ -57,19 +57,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from policies.base import Choice, Policy, ReplicaView, RequestFeatures
-
-OVERFLOW_TIER = "overflow"
-
-
-def number_param(name: str, value: Any, unit: str, *, positive: bool = False) -> float:
-    """`value` as a float, finite and >= 0 (> 0 when `positive`), else a ValueError."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number ({unit}), got {value!r}")
-    number = float(value)
-    if not math.isfinite(number) or number < 0 or (positive and number == 0):
-        bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"{name} must be a finite number {bound} ({unit}), got {value!r}")
-    return number
+from policies.costs import (
+    OVERFLOW_TIER,
+    fraction_param,
+    locality,
+    number_param,
+    rank_with_tiers,
+    region_penalties,
+)
 
 
 class CacheAwarePolicy(Policy):
@@ -136,30 +131,15 @@ class CacheAwarePolicy(Policy):
         self.decode_tokens_per_seq = number_param(
             "decode_tokens_per_seq", decode_tokens_per_seq, "tokens per decoding sequence"
         )
-        self.same_region_penalty_tokens = number_param(
-            "same_region_penalty_tokens", same_region_penalty_tokens, "tokens"
+        self.same_region_penalty_tokens, self.other_region_penalty_tokens = region_penalties(
+            "tokens", same_region_penalty_tokens, other_region_penalty_tokens, "tokens"
         )
-        self.other_region_penalty_tokens = number_param(
-            "other_region_penalty_tokens", other_region_penalty_tokens, "tokens"
-        )
-        if self.other_region_penalty_tokens < self.same_region_penalty_tokens:
-            raise ValueError(
-                "other_region_penalty_tokens (tokens) must be >= same_region_penalty_tokens, "
-                f"got {self.other_region_penalty_tokens!r} < {self.same_region_penalty_tokens!r}"
-            )
         self.overflow_after_ms = number_param("overflow_after_ms", overflow_after_ms, "ms")
         self.prefill_tokens_per_ms = number_param(
             "prefill_tokens_per_ms", prefill_tokens_per_ms, "tokens per ms", positive=True
         )
         self.tie_tolerance_tokens = number_param("tie_tolerance_tokens", tie_tolerance_tokens, "tokens")
-        self.tie_tolerance_ratio = number_param(
-            "tie_tolerance_ratio", tie_tolerance_ratio, "fraction of the cost"
-        )
-        if self.tie_tolerance_ratio > 1.0:
-            raise ValueError(
-                "tie_tolerance_ratio must be between 0 and 1 (fraction of the cost), "
-                f"got {self.tie_tolerance_ratio!r}"
-            )
+        self.tie_tolerance_ratio = fraction_param("tie_tolerance_ratio", tie_tolerance_ratio, "fraction of the cost")
 
     def rank(self, request: RequestFeatures, replicas: Sequence[ReplicaView]) -> list[Choice]:
         prompt = request.prompt_tokens
@@ -199,17 +179,8 @@ class CacheAwarePolicy(Policy):
             queued = queued_tokens * queue_w * inv_w
             decode = r.decoding * decode_w * inv_w
             labels = r.labels
-            if origin is None:
-                locality = 0.0
-            else:
-                region = labels.get("region")
-                if region is None:
-                    locality = 0.0
-                elif region == origin:
-                    locality = same_pen
-                else:
-                    locality = other_pen
-            cost = uncached + queued + decode + locality
+            near = 0.0 if origin is None else locality(labels, origin, same_pen, other_pen)
+            cost = uncached + queued + decode + near
             wait_ms = (queued_tokens + uncached_tokens) * inv_w * inv_rate
             add_choice(
                 Choice(
@@ -219,7 +190,7 @@ class CacheAwarePolicy(Policy):
                         "uncached": uncached,
                         "queued": queued,
                         "decode": decode,
-                        "locality": locality,
+                        "locality": near,
                         "cost": cost,
                         "wait_ms": wait_ms,
                         "tier": 0.0,
@@ -235,26 +206,3 @@ class CacheAwarePolicy(Policy):
 
         return rank_with_tiers(choices, keys, overflow, best_committed_wait, self.overflow_after_ms)
 
-
-def rank_with_tiers(
-    choices: list[Choice],
-    keys: list[float],
-    overflow: list[int],
-    best_committed_wait_ms: float,
-    overflow_after_ms: float,
-) -> list[Choice]:
-    """`choices` by their jittered `keys`, overflow replicas (indices in `overflow`) held back
-    behind the committed ones unless the best committed wait exceeds `overflow_after_ms`."""
-    order = sorted(range(len(choices)), key=keys.__getitem__)
-    if not overflow or best_committed_wait_ms > overflow_after_ms:
-        # No overflow tier, or committed capacity is exhausted (or absent, in which case
-        # the best committed wait is infinite): everyone competes on cost.
-        return [choices[j] for j in order]
-    held_back = set(overflow)
-    ranked = [choices[j] for j in order if j not in held_back]
-    for j in order:
-        if j in held_back:
-            choice = choices[j]
-            choice.terms["tier"] = 1.0  # type: ignore[index]
-            ranked.append(choice)
-    return ranked

@@ -52,8 +52,15 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from policies.base import Choice, Policy, ReplicaView, RequestFeatures
-from policies.cache_aware import OVERFLOW_TIER, number_param, rank_with_tiers
+from policies.base import MODEL_TTFT_TERM, Choice, Policy, ReplicaView, RequestFeatures
+from policies.costs import (
+    OVERFLOW_TIER,
+    fraction_param,
+    locality,
+    number_param,
+    rank_with_tiers,
+    region_penalties,
+)
 
 
 class PredictivePolicy(Policy):
@@ -163,21 +170,12 @@ class PredictivePolicy(Policy):
         )
         self.default_output_tokens = number_param("default_output_tokens", default_output_tokens, "tokens")
         self.max_output_tokens = number_param("max_output_tokens", max_output_tokens, "tokens", positive=True)
-        self.same_region_penalty_ms = number_param("same_region_penalty_ms", same_region_penalty_ms, "ms")
-        self.other_region_penalty_ms = number_param("other_region_penalty_ms", other_region_penalty_ms, "ms")
-        if self.other_region_penalty_ms < self.same_region_penalty_ms:
-            raise ValueError(
-                "other_region_penalty_ms (ms) must be >= same_region_penalty_ms, "
-                f"got {self.other_region_penalty_ms!r} < {self.same_region_penalty_ms!r}"
-            )
+        self.same_region_penalty_ms, self.other_region_penalty_ms = region_penalties(
+            "ms", same_region_penalty_ms, other_region_penalty_ms, "ms"
+        )
         self.overflow_after_ms = number_param("overflow_after_ms", overflow_after_ms, "ms")
         self.tie_tolerance_ms = number_param("tie_tolerance_ms", tie_tolerance_ms, "ms")
-        self.tie_tolerance_ratio = number_param("tie_tolerance_ratio", tie_tolerance_ratio, "fraction of the cost")
-        if self.tie_tolerance_ratio > 1.0:
-            raise ValueError(
-                "tie_tolerance_ratio must be between 0 and 1 (fraction of the cost), "
-                f"got {self.tie_tolerance_ratio!r}"
-            )
+        self.tie_tolerance_ratio = fraction_param("tie_tolerance_ratio", tie_tolerance_ratio, "fraction of the cost")
 
     def expected_output(self, request: RequestFeatures) -> float:
         wanted = request.max_tokens
@@ -262,27 +260,18 @@ class PredictivePolicy(Policy):
             decode = decode_w * n * batch * per
             fleet = (own_prefill + fleet_decode_w * n * decoding * per_seq_added) * per * fleet_w
             labels = r.labels
-            if origin is None:
-                locality = 0.0
-            else:
-                region = labels.get("region")
-                if region is None:
-                    locality = 0.0
-                elif region == origin:
-                    locality = same_pen
-                else:
-                    locality = other_pen
-            cost = model_ttft * speed + decode + fleet + locality
+            near = 0.0 if origin is None else locality(labels, origin, same_pen, other_pen)
+            cost = model_ttft * speed + decode + fleet + near
             choices.append(
                 Choice(
                     r,
                     {
                         "cached": cached + 0.0,
                         "ttft_ms": ttft,
-                        "model_ttft_ms": model_ttft,
+                        MODEL_TTFT_TERM: model_ttft,
                         "decode_ms": decode,
                         "fleet_ms": fleet,
-                        "locality_ms": locality,
+                        "locality_ms": near,
                         "busy": busy,
                         "speed": speed,
                         "cost": cost,
