@@ -80,6 +80,12 @@ class RequestFeatures:
     max_tokens: int | None = None
 
 
+# The term in which a policy that predicts time puts its predicted time to first token (ms,
+# before any fitted speed): the routing core compares it with the observed time to fit each
+# replica's speed (balancer/routing/latency.py).
+MODEL_TTFT_TERM = "model_ttft_ms"
+
+
 # Not frozen: one is built per replica per request, and frozen dataclasses cost 3x to create.
 @dataclass(slots=True)
 class Choice:

@@ -38,7 +38,7 @@ from balancer.routing.admission import AdmissionQueue
 from balancer.routing.breaker import CLOSED
 from balancer.routing.fleet import Fleet, Replica
 from balancer.routing.tracker import CacheTracker, Lesson, Routed
-from policies.base import Choice, Policy, RequestFeatures
+from policies.base import MODEL_TTFT_TERM, Choice, Policy, RequestFeatures
 
 # Phases of one attempt on one replica.
 IDLE, PREFILLING, DECODING = 0, 1, 2
@@ -156,8 +156,9 @@ class RoutingCore:
         turn = journey._next
         if turn >= journey.max_attempts or turn >= len(journey.ranking):
             return None
+        choice = journey.ranking[turn]
         # Policies rank the fleet's own replicas, seen through their read-only view.
-        replica = cast(Replica, journey.ranking[turn].replica)
+        replica = cast(Replica, choice.replica)
         journey._next = turn + 1
         journey.replica = replica
         journey.attempts.append(replica.name)
@@ -171,8 +172,7 @@ class RoutingCore:
         journey.uncached = uncached
         journey.phase = PREFILLING
         journey.sent_at = now
-        choice = journey.ranking[turn]
-        journey.model_ttft_ms = choice.terms.get("model_ttft_ms", 0.0)
+        journey.model_ttft_ms = choice.terms.get(MODEL_TTFT_TERM, 0.0)
         context = journey.context = journey.features.prompt_tokens
         replica.context_tokens += context
         replica.in_flight += 1

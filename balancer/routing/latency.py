@@ -64,10 +64,3 @@ class LatencyFit:
         self.samples += 1
         self.last_error = error
         return error
-
-    def reset(self) -> None:
-        """A replica that came back (restarted, replaced) is judged afresh."""
-        self._log_scale = 0.0
-        self.scale = 1.0
-        self.samples = 0
-        self.last_error = 1.0
