@@ -64,6 +64,7 @@ class Balancer:
             self.metrics.registry.register(KvEventsCollector(precise.events.stats))
         elif self.tracker is not None:
             self.metrics.index = self.tracker.index
+            self.metrics.token_ratio = self.tracker.ratio
         self.auth = Authenticator(
             load_keys(settings.auth), settings.auth.rate_limit_per_s, settings.auth.rate_limit_burst
         )

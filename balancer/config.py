@@ -247,7 +247,8 @@ class RoutingSettings:
     allowed_regions_header: str = _checked(ALLOWED_REGIONS_HEADER, _header_name)
     route_header: bool = False  # x-kvlb-route on answers: the decision and its terms
     block_chars: int = _checked(64, _at_least(1))
-    tokens_per_char: float = _checked(0.25, _positive)
+    tokens_per_char: float = _checked(0.25, _positive)  # the start; learned per model unless told not to
+    learn_tokens_per_char: bool = True
     index_ttl_s: float = _checked(600.0, _positive)
     index_max_entries: int = _checked(2_000_000, _at_least(1))
     # A replica's KV capacity when neither its config nor the engine says (vLLM does not):

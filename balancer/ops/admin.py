@@ -120,7 +120,7 @@ class AdminApi:
         tracker = self.balancer.tracker
         indexed = 0
         if tracker is not None:
-            indexed = int(tracker.index.entries_of(replica.name) * tracker.index.tokens_per_block)
+            indexed = int(tracker.index.entries_of(replica.name) * tracker.index.block_tokens_of(replica.name))
         return {
             "name": replica.name,
             "url": replica.url,

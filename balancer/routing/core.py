@@ -135,7 +135,7 @@ class RoutingCore:
         """Predict the prompt's cache hits, then rank `candidates` by the policy."""
         routed = None
         if self.tracker is not None and prompt is not None:
-            routed = self.tracker.predict(prompt)
+            routed = self.tracker.predict(prompt, features.model)
             features = RequestFeatures(
                 route=route,
                 model=features.model,

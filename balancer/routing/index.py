@@ -71,6 +71,9 @@ class PrefixIndex:
         self._free_ids: list[int] = []  # heap: reusing the lowest keeps the masks short
         # Kept by name, so it outlives remove_replica (a restart empties a cache, not its size).
         self._capacity_tokens: dict[str, float] = {}
+        # Tokens one block of a replica's is worth, where it differs from `tokens_per_block`:
+        # text blocks are characters, and how many tokens those are is learned per model.
+        self._block_tokens: dict[str, float] = {}
         # For replicas whose capacity nobody gave: no engine holds more than this, so neither
         # does the index, and its memory follows the fleet rather than the traffic.
         self.default_capacity_tokens = default_capacity_tokens
@@ -106,7 +109,7 @@ class PrefixIndex:
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
         """For each replica holding the prompt's first block, how many leading blocks it holds
-        (× `tokens_per_block`: cached tokens). With `BlockHashes`, only about as many blocks
+        (× the tokens a block is worth: cached tokens). With `BlockHashes`, only about as many blocks
         as the deepest match are hashed (at most max(16, 2 × depth + 2))."""
         self._expire(self._clock())
         count = len(hashes)
@@ -347,6 +350,18 @@ class PrefixIndex:
         if rid is not None:
             self._enforce_capacity(replica, rid)
 
+    def block_tokens_of(self, replica: str) -> float:
+        return self._block_tokens.get(replica, self.tokens_per_block)
+
+    def set_block_tokens(self, replica: str, tokens: float) -> None:
+        """Count each of the replica's blocks as `tokens` against its capacity."""
+        if not tokens > 0:
+            raise ValueError("tokens per block must be positive")
+        self._block_tokens[replica] = tokens
+        rid = self._ids.get(replica)
+        if rid is not None:
+            self._enforce_capacity(replica, rid)
+
     def check_invariants(self) -> None:
         """Assert the index is self-consistent. For tests: O(size)."""
         nodes = self._nodes
@@ -372,7 +387,7 @@ class PrefixIndex:
             for child in _children(children):
                 assert nodes[child][_PARENT] == h, "child links a different parent"
         for name, cap in self._capacity_tokens.items():
-            assert self.entries_of(name) * self.tokens_per_block <= cap, "over capacity"
+            assert self.entries_of(name) * self.block_tokens_of(name) <= cap, "over capacity"
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -434,7 +449,7 @@ class PrefixIndex:
     def _enforce_capacity(self, replica: str, rid: int) -> None:
         cap = self._capacity_tokens.get(replica, self.default_capacity_tokens)
         if cap is not None:
-            excess = len(self._lru[rid]) - int(cap // self.tokens_per_block)
+            excess = len(self._lru[rid]) - int(cap // self.block_tokens_of(replica))
             if excess > 0:
                 self._pop_oldest(rid, excess)
                 self.evicted_capacity += excess

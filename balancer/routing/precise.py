@@ -60,7 +60,7 @@ class PreciseTracker(CacheTracker):
         self._pending: dict[str, dict[int, int]] = {}
         self.events = KvEventIndex(self.exact, settings.block_size, settings.max_blocks_per_replica, self.index)
 
-    def predict(self, prompt: str | Sequence[int]) -> Routed:
+    def predict(self, prompt: str | Sequence[int], model: str | None = None) -> Routed:
         if isinstance(prompt, str):
             raise TypeError("precise mode routes on token ids")
         hashes = self.hasher.lazy(prompt)
@@ -76,7 +76,7 @@ class PreciseTracker(CacheTracker):
             blocks = min(blocks, longest)
             if blocks:
                 cached[name] = blocks * self.block_size
-        return Routed(hashes, tokens, cached)
+        return Routed(hashes, tokens, cached, self.block_size, model)
 
     def _record_routed(self, routed: Routed, replica: Replica) -> None:
         self.pending.record(replica.name, routed.hashes)

@@ -4,7 +4,9 @@ Before ranking: the prompt's block hashes, its estimated length in tokens, and, 
 prefix index, how many leading tokens each replica is believed to hold. After the choice:
 the chosen replica is recorded as holding the prompt (it will once it has prefilled). An
 attempt that never got an answer leaves nothing behind. When the replica reports what it
-really had cached, a wrong guess is corrected in the index.
+really had cached, a wrong guess is corrected in the index, and its count of the prompt's
+tokens teaches the model's tokens per character (`balancer.routing.token_ratio`), which
+prices the next text prompts and the replica's text blocks against its capacity.
 
 The tracker keeps the index only; the load a request puts on its replica (queued prefill,
 a decode slot) is the routing core's to count (`balancer.routing.core`).
@@ -19,6 +21,11 @@ from balancer.config import RoutingSettings
 from balancer.routing.fleet import Replica
 from balancer.routing.index import PrefixIndex
 from balancer.routing.prefix import BlockHashes, PrefixHasher
+from balancer.routing.token_ratio import TokenRatio
+
+# A learned ratio this close to a replica's current block weight leaves it alone: re-weighing
+# costs a capacity check, and a fraction of a percent changes no decision.
+REWEIGH_TOLERANCE = 0.01
 
 
 @dataclass(slots=True)
@@ -28,6 +35,9 @@ class Routed:
     hashes: BlockHashes
     prompt_tokens: int
     cached: dict[str, int]  # replica name -> predicted cached leading tokens
+    block_tokens: float  # the tokens one of these blocks is predicted to hold
+    model: str | None = None
+    chars: int = 0  # the text prompt's length in characters; 0 for token ids
     learned: bool = False
     # When the chosen replica last used the deepest block it was predicted to hold, before
     # this request refreshed it: what its LRU engine would have evicted first if it missed.
@@ -50,6 +60,7 @@ class CacheTracker:
 
     def __init__(self, settings: RoutingSettings, clock: Callable[[], float]) -> None:
         self.hasher = PrefixHasher(settings.block_chars, settings.tokens_per_char)
+        self.ratio = TokenRatio(settings.tokens_per_char, learn=settings.learn_tokens_per_char)
         self.index = PrefixIndex(
             tokens_per_block=self.hasher.tokens_per_block,
             ttl_s=settings.index_ttl_s,
@@ -58,15 +69,20 @@ class CacheTracker:
             default_capacity_tokens=settings.assumed_kv_capacity_tokens,
         )
 
-    def predict(self, prompt: str | Sequence[int]) -> Routed:
-        hashes = self.hasher.lazy(prompt)
+    def predict(self, prompt: str | Sequence[int], model: str | None = None) -> Routed:
+        hasher = self.hasher
+        hashes = hasher.lazy(prompt)
         if isinstance(prompt, str):
-            prompt_tokens = self.hasher.estimate_tokens(prompt)
+            per_char = self.ratio.of(model)
+            chars = len(prompt)
+            prompt_tokens = int(chars * per_char + 0.5)
+            per_block = hasher.block_chars * per_char
         else:
+            chars = 0
             prompt_tokens = len(prompt)
-        per_block = self.index.tokens_per_block
+            per_block = hasher.block_tokens
         cached = {name: int(blocks * per_block) for name, blocks in self.index.match(hashes).items()}
-        return Routed(hashes, prompt_tokens, cached)
+        return Routed(hashes, prompt_tokens, cached, per_block, model, chars)
 
     def uncached(self, routed: Routed, replica: Replica) -> int:
         """The prompt tokens `replica` must compute, by the prediction."""
@@ -79,7 +95,7 @@ class CacheTracker:
             self.on_record(replica.name, routed.hashes)
 
     def _record_routed(self, routed: Routed, replica: Replica) -> None:
-        blocks = int(routed.cached.get(replica.name, 0) / self.index.tokens_per_block)
+        blocks = int(routed.cached.get(replica.name, 0) / routed.block_tokens)
         routed.predicted_last_use = (
             self.index.last_use(replica.name, routed.hashes[blocks - 1]) if blocks else None
         )
@@ -95,7 +111,7 @@ class CacheTracker:
             self._forget_attempt(routed, replica)
 
     def _forget_attempt(self, routed: Routed, replica: Replica) -> None:
-        had = int(routed.cached.get(replica.name, 0) / self.index.tokens_per_block)
+        had = int(routed.cached.get(replica.name, 0) / routed.block_tokens)
         self.index.truncate(replica.name, routed.hashes, had)
 
     def learn(self, routed: Routed, replica: Replica, prompt_tokens: int, cached_tokens: int) -> Lesson | None:
@@ -110,14 +126,22 @@ class CacheTracker:
         if routed.learned or prompt_tokens <= 0:
             return None
         routed.learned = True
+        if routed.chars:
+            self._reweigh(replica, self.ratio.observe(routed.model, routed.chars, prompt_tokens))
         fraction = min(max(cached_tokens / prompt_tokens, 0.0), 1.0)
         predicted = routed.cached.get(replica.name, 0)
         actual = int(fraction * routed.prompt_tokens)
         corrected = False
-        if actual + self.index.tokens_per_block < predicted and routed.predicted_last_use is not None:
+        if actual + routed.block_tokens < predicted and routed.predicted_last_use is not None:
             self.index.forget_older_than(replica.name, routed.predicted_last_use)
             corrected = True
         return Lesson(predicted, actual, corrected)
+
+    def _reweigh(self, replica: Replica, per_char: float) -> None:
+        weight = self.hasher.block_chars * per_char
+        index = self.index
+        if abs(weight - index.block_tokens_of(replica.name)) > REWEIGH_TOLERANCE * weight:
+            index.set_block_tokens(replica.name, weight)
 
     def forget(self, replica: str) -> None:
         self.index.remove_replica(replica)

@@ -29,6 +29,7 @@ from balancer.protocol import (
 from balancer.routing.breaker import STATE_VALUES
 from balancer.routing.fleet import Fleet
 from balancer.routing.index import PrefixIndex
+from balancer.routing.token_ratio import TokenRatio
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 NO_REPLICA = "none"
@@ -76,6 +77,7 @@ class Metrics(Collector):
     def __init__(self, fleet: Fleet, index: PrefixIndex | None = None) -> None:
         self.fleet = fleet
         self.index = index  # the prefix index, for cache-aware policies
+        self.token_ratio: TokenRatio | None = None  # the approximate index's tokens per character
         self.requests: defaultdict[tuple[str, str, str, int], int] = defaultdict(int)
         self.durations: defaultdict[str, _Histogram] = defaultdict(_Histogram)
         self.ttfts: defaultdict[tuple[str, str], _Histogram] = defaultdict(_Histogram)
@@ -270,6 +272,17 @@ class Metrics(Collector):
         )
         ttft_error.add_metric([], self.ttft_error.family_buckets(), self.ttft_error.total)
         yield ttft_error
+
+        if self.token_ratio is not None:
+            per_char = GaugeMetricFamily(
+                "kvlb_tokens_per_char",
+                "Prompt tokens per character of prompt text, learned per model from the "
+                "replicas' usage.prompt_tokens (the approximate index's text-to-token estimate)",
+                labels=["model"],
+            )
+            for model, ratio in self.token_ratio.models().items():
+                per_char.add_metric([model], ratio)
+            yield per_char
 
         index = self.index
         entries = index.entries if index is not None else 0

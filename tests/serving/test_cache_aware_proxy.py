@@ -6,6 +6,7 @@ import asyncio
 from contextlib import AsyncExitStack
 
 import aiohttp
+import pytest
 
 from balancer.routing.request import canonical_prompt
 from loadtest.replica.config import ReplicaConfig
@@ -124,3 +125,27 @@ async def test_residency_header_is_a_hard_filter() -> None:
                                  headers={"x-kvlb-allowed-regions": "ap-south"}) as resp:
                 assert resp.status == 503
                 assert (await resp.json())["error"]["code"] == "no_replica_in_allowed_regions"
+
+
+async def test_tokens_per_character_is_learned_from_the_replicas_usage() -> None:
+    # Words of 7 characters with their space: the replicas count one token per word, a
+    # quarter token per character would overestimate every prompt 1.75x.
+    def prompt(n: int) -> list[dict]:
+        return [{"role": "user", "content": " ".join(f"{n:03d}{i:03d}" for i in range(300))}]
+
+    async with AsyncExitStack() as stack:
+        running, _ = await start(stack, 2)
+        tracker = running.balancer.tracker
+        assert tracker is not None
+        async with aiohttp.ClientSession() as http:
+            for n in range(40):
+                await chat(http, running.url, prompt(n))
+            _, tokens, _, _ = await chat(http, running.url, prompt(999))
+            async with http.get(running.url + "/metrics") as resp:
+                metrics = await resp.text()
+    chars = len(canonical_prompt("/v1/chat/completions", {"messages": prompt(999)}))
+    truth = tokens / chars
+    line = next(line for line in metrics.splitlines() if line.startswith('kvlb_tokens_per_char{model="sim"}'))
+    assert float(line.split()[-1]) == pytest.approx(truth, rel=0.05)
+    fresh = canonical_prompt("/v1/chat/completions", {"messages": prompt(998)})
+    assert tracker.predict(fresh, MODEL).prompt_tokens == pytest.approx(tokens, rel=0.05)
