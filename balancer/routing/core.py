@@ -199,9 +199,10 @@ class RoutingCore:
             return None
         return replica.latency.observe((now - journey.sent_at) * 1000.0, journey.model_ttft_ms)
 
-    def learn(self, journey: Journey, prompt_tokens: int, cached_tokens: int) -> Lesson | None:
+    def learn(self, journey: Journey, prompt_tokens: int, cached_tokens: int | None) -> Lesson | None:
         """The replica's own token figures for this prompt, against the prediction; at most
-        one lesson per request."""
+        one lesson per request. Without `cached_tokens` (the engine does not report them) the
+        prompt count still teaches tokens per character, and there is no lesson."""
         replica = journey.replica
         if journey.routed is None or replica is None or self.tracker is None:
             return None

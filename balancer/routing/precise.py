@@ -113,10 +113,10 @@ class PreciseTracker(CacheTracker):
             if answered:  # a non-streamed answer: its first byte is its last
                 self.index.record(replica.name, routed.hashes)
 
-    def learn(self, routed: Routed, replica: Replica, prompt_tokens: int, cached_tokens: int) -> Lesson | None:
+    def learn(self, routed: Routed, replica: Replica, prompt_tokens: int, cached_tokens: int | None) -> Lesson | None:
         # Nothing to correct: the engine's events keep the exact index right. The lesson is
         # still reported, since prediction against outcome is what precise mode promises.
-        if routed.learned or prompt_tokens <= 0:
+        if routed.learned or prompt_tokens <= 0 or cached_tokens is None:
             return None
         routed.learned = True
         return Lesson(routed.cached.get(replica.name, 0), cached_tokens, False)

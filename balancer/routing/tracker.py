@@ -114,7 +114,7 @@ class CacheTracker:
         had = int(routed.cached.get(replica.name, 0) / routed.block_tokens)
         self.index.truncate(replica.name, routed.hashes, had)
 
-    def learn(self, routed: Routed, replica: Replica, prompt_tokens: int, cached_tokens: int) -> Lesson | None:
+    def learn(self, routed: Routed, replica: Replica, prompt_tokens: int, cached_tokens: int | None) -> Lesson | None:
         """Compare the replica's reported cache hit with the prediction.
 
         Reported figures are in the replica's own tokens, so they are compared as a fraction
@@ -128,6 +128,8 @@ class CacheTracker:
         routed.learned = True
         if routed.chars:
             self._reweigh(replica, self.ratio.observe(routed.model, routed.chars, prompt_tokens))
+        if cached_tokens is None:
+            return None
         fraction = min(max(cached_tokens / prompt_tokens, 0.0), 1.0)
         predicted = routed.cached.get(replica.name, 0)
         actual = int(fraction * routed.prompt_tokens)

@@ -26,7 +26,7 @@ from balancer.routing.core import Journey, RoutingCore
 from balancer.routing.fleet import Replica
 from balancer.serving.metrics import Metrics
 from balancer.serving.usage import (
-    CACHED_MARK,
+    PROMPT_MARK,
     META_MARK,
     USAGE_MARK,
     TokenCounts,
@@ -257,7 +257,7 @@ class Proxy:
         if error is not None:
             self.metrics.observe_ttft_error(error)
 
-    def _learn(self, journey: Journey, replica: Replica, usage: tuple[int, int] | None) -> None:
+    def _learn(self, journey: Journey, replica: Replica, usage: tuple[int, int | None] | None) -> None:
         if usage is None:
             return
         lesson = self.core.learn(journey, *usage)
@@ -296,7 +296,7 @@ class Proxy:
             request.respond(resp.status, headers, data)
             outcome.first_byte_at = asyncio.get_running_loop().time()
             read_usage = self.read_usage and has_usage(data)
-            payload = parse_json(data) if read_usage or (routed is not None and CACHED_MARK in data) else None
+            payload = parse_json(data) if read_usage or (routed is not None and PROMPT_MARK in data) else None
             if read_usage:
                 outcome.tokens = counts_of(payload)
             self._first_byte(journey)

@@ -4,7 +4,9 @@ answers that pass through untouched.
 OpenAI routes (vLLM, SGLang): `usage.prompt_tokens` and
 `usage.prompt_tokens_details.cached_tokens`, in the body or, when streaming, in the final
 chunk if the client asked for `stream_options.include_usage`. SGLang's /generate:
-`meta_info.prompt_tokens` and `meta_info.cached_tokens`, in every event.
+`meta_info.prompt_tokens` and `meta_info.cached_tokens`, in every event. The prompt count
+alone still teaches tokens per character: engines report cached tokens only when told to
+(vLLM's `--enable-prompt-tokens-details`, SGLang's `--enable-cache-report`).
 Learning is best effort: what cannot be read is skipped, never an error for the client.
 
 The access log's token counts (prompt, cached, output: `usage.completion_tokens` or
@@ -21,7 +23,7 @@ from typing import Any
 
 import orjson
 
-CACHED_MARK = b'"cached_tokens"'
+PROMPT_MARK = b'"prompt_tokens"'
 USAGE_MARK = b'"usage"'
 META_MARK = b'"meta_info"'
 
@@ -83,23 +85,22 @@ def counts_from_sse(chunk: bytes, mark: bytes | None = None) -> TokenCounts | No
     return None
 
 
-def _learnable(counts: TokenCounts | None) -> tuple[int, int] | None:
-    """(prompt tokens, cached tokens) when the replica reported both."""
-    if counts is None:
+def _learnable(counts: TokenCounts | None) -> tuple[int, int | None] | None:
+    """(prompt tokens, cached tokens or None) when the replica reported the prompt's."""
+    if counts is None or counts.prompt is None or counts.prompt <= 0:
         return None
-    prompt, cached = counts.prompt, counts.cached
-    if prompt is not None and cached is not None and prompt > 0:
-        return prompt, cached
-    return None
+    return counts.prompt, counts.cached
 
 
-def usage_of(payload: Any) -> tuple[int, int] | None:
-    """(prompt tokens, cached tokens) from a parsed answer or event, if it carries them."""
+def usage_of(payload: Any) -> tuple[int, int | None] | None:
+    """(prompt tokens, cached tokens or None) from a parsed answer or event, if it carries a
+    prompt count."""
     return _learnable(counts_of(payload))
 
 
-def usage_from_sse(chunk: bytes) -> tuple[int, int] | None:
-    """(prompt tokens, cached tokens) from the events in `chunk` that carry cached tokens."""
-    if CACHED_MARK not in chunk:
+def usage_from_sse(chunk: bytes) -> tuple[int, int | None] | None:
+    """(prompt tokens, cached tokens or None) from the events in `chunk` that carry a prompt
+    count."""
+    if PROMPT_MARK not in chunk:
         return None
-    return _learnable(counts_from_sse(chunk, CACHED_MARK))
+    return _learnable(counts_from_sse(chunk, PROMPT_MARK))
