@@ -78,6 +78,10 @@ class RequestFeatures:
     origin_region: str | None = None
     # The body's `max_tokens` (or `max_completion_tokens`): a bound on the output, if named.
     max_tokens: int | None = None
+    # The mean output of earlier answers like this one that ended on their own (same model,
+    # route and prompt length within a factor of two), if enough have ended
+    # (balancer/routing/output_length.py). Filled only for policies whose `needs_prompt` is true.
+    expected_output_tokens: float | None = None
 
 
 # The term in which a policy that predicts time puts its predicted time to first token (ms,

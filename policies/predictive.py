@@ -15,8 +15,8 @@ claims loses its share without anyone re-deriving weights. For replica r (all in
 
 with P = u·b + k·u·(c + u/2) the request's own prefill there, p the prompt's tokens, c those
 r holds cached, u = p − c, q the prefill queued on r, D the sequences r decodes and X their
-context tokens, n the expected output (`max_tokens`, capped at `max_output_tokens`; else
-`default_output_tokens`), w r's weight and v its relative speed: its fitted multiplier over
+context tokens, n the expected output (the learned mean output of answers like it, else
+`default_output_tokens`, either bounded by `max_tokens` and `max_output_tokens`), w r's weight and v its relative speed: its fitted multiplier over
 the candidates' median, or 1.0 while within `speed_tolerance` of it (replicas of one kind
 stay equal instead of ranking on the noise of the loads each happened to see; an error
 common to the fleet, such as a profile a little off, cancels).
@@ -101,7 +101,8 @@ class PredictivePolicy(Policy):
     speed_tolerance (fraction, >= 0; default 0.3)
         Fitted speeds within this fraction of the candidates' median count as equal.
     default_output_tokens (tokens, >= 0; default 256)
-        Expected output when the request names no `max_tokens`.
+        Expected output when the request names no `max_tokens` and too few answers like it
+        have ended on their own to learn from (their mean, bounded by `max_tokens`, wins).
     max_output_tokens (tokens, >= 1; default 2048)
         Cap on the expected output read from `max_tokens` (clients often name a bound far
         above what they get).
@@ -179,9 +180,11 @@ class PredictivePolicy(Policy):
 
     def expected_output(self, request: RequestFeatures) -> float:
         wanted = request.max_tokens
-        if wanted is None or wanted < 0:
-            return self.default_output_tokens
-        return min(float(wanted), self.max_output_tokens)
+        bound = self.max_output_tokens if wanted is None or wanted < 0 else min(float(wanted), self.max_output_tokens)
+        learned = request.expected_output_tokens
+        if learned is not None:
+            return min(learned, bound)
+        return self.default_output_tokens if wanted is None or wanted < 0 else bound
 
     def _relative_speeds(self, fits: list[float]) -> list[float] | None:
         """Each replica's fitted multiplier over the candidates' median, 1.0 inside the
@@ -267,6 +270,7 @@ class PredictivePolicy(Policy):
                     r,
                     {
                         "cached": cached + 0.0,
+                        "output_tokens": n,
                         "ttft_ms": ttft,
                         MODEL_TTFT_TERM: model_ttft,
                         "decode_ms": decode,

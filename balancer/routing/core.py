@@ -15,6 +15,7 @@ and passes the time in:
     first byte  `first_byte(journey, now)`: its prefill is done; a streamed answer's time
                 to first byte, against the policy's prediction, fits the replica's speed
     usage       `learn(journey, prompt tokens, cached tokens)`: the replica's own figures
+    output      `learned_output(journey, output tokens)`: the answer's length, once it ended
     finish      `end_attempt(journey, answered)`: the load leaves, the index keeps or
                 forgets what the attempt recorded
 
@@ -37,6 +38,7 @@ from typing import Any, cast
 from balancer.routing.admission import AdmissionQueue
 from balancer.routing.breaker import CLOSED
 from balancer.routing.fleet import Fleet, Replica
+from balancer.routing.output_length import OutputLengths
 from balancer.routing.tracker import CacheTracker, Lesson, Routed
 from policies.base import MODEL_TTFT_TERM, Choice, Policy, RequestFeatures
 
@@ -89,6 +91,7 @@ class RoutingCore:
         self.admission = admission
         self.settings = settings
         self._call_at = call_at
+        self.output_lengths = OutputLengths()
         for replica in fleet.replicas:
             self.joined(replica)
 
@@ -146,6 +149,7 @@ class RoutingCore:
                 cached_tokens=routed.cached,
                 origin_region=origin_region or self.settings.region,
                 max_tokens=features.max_tokens,
+                expected_output_tokens=self.output_lengths.expect(features.model, route, routed.prompt_tokens),
             )
         ranking = self.policy.rank(features, candidates)
         return Journey(features, ranking, routed, max_attempts=self.settings.max_attempts)
@@ -207,6 +211,13 @@ class RoutingCore:
         if journey.routed is None or replica is None or self.tracker is None:
             return None
         return self.tracker.learn(journey.routed, replica, prompt_tokens, cached_tokens)
+
+    def learned_output(self, journey: Journey, output_tokens: int) -> None:
+        """The answer ended with `output_tokens` generated; one cut at its `max_tokens` says
+        only that the model would have written more, and teaches nothing."""
+        features = journey.features
+        self.output_lengths.observe(features.model, features.route, features.prompt_tokens,
+                                    output_tokens, features.max_tokens)
 
     def failed(self, journey: Journey, now: float) -> bool:
         """The attempt failed by the replica's fault; True when that ejects it."""

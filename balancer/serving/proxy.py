@@ -297,18 +297,21 @@ class Proxy:
             outcome.first_byte_at = asyncio.get_running_loop().time()
             read_usage = self.read_usage and has_usage(data)
             payload = parse_json(data) if read_usage or (routed is not None and PROMPT_MARK in data) else None
+            counts = counts_of(payload)
             if read_usage:
-                outcome.tokens = counts_of(payload)
+                outcome.tokens = counts
             self._first_byte(journey)
             if routed is not None:
                 self._learn(journey, replica, usage_of(payload))
+                if counts is not None and counts.output is not None:
+                    self.core.learned_output(journey, counts.output)
             return None
 
         stream = await request.start_stream(resp.status, headers, length)
         outcome.stream, outcome.sse = stream, is_sse
-        read_usage = self.read_usage and is_sse
+        read_usage = (self.read_usage or routed is not None) and is_sse
         # The last chunk with token counts, and the one after it (an event may straddle them):
-        # parsed once, when the stream ends.
+        # parsed once, when the stream ends, for the access log and the answer's length.
         usage: list[bytes] = []
         on_chunk = None
         if read_usage or routed is not None:
@@ -343,8 +346,11 @@ class Proxy:
             return None
         finally:
             outcome.first_byte_at = relay.first_at
-            if usage:
-                outcome.tokens = counts_from_sse(b"".join(usage))
+            counts = counts_from_sse(b"".join(usage)) if usage else None
+            if self.read_usage:
+                outcome.tokens = counts
+        if routed is not None and counts is not None and counts.output is not None:
+            self.core.learned_output(journey, counts.output)
         await stream.end()
         return None
 

@@ -25,8 +25,8 @@ from loadtest.simulator.fleetspec import uniform_fleet
 from loadtest.simulator.simulator import MODEL, Simulator
 from tests.conftest import make_settings, run_balancer
 
-STEPS = ("candidates", "plan", "next_attempt", "first_byte", "learn", "failed", "held_off",
-         "answered", "end_attempt")
+STEPS = ("candidates", "plan", "next_attempt", "first_byte", "learn", "learned_output", "failed",
+         "held_off", "answered", "end_attempt")
 REPLICAS = 2
 # Small caches, so the sequence also makes the engines evict and the index learn of it.
 KV_CAPACITY = 1000
@@ -57,7 +57,7 @@ def watch(core: RoutingCore) -> list[tuple[Any, ...]]:
     def state() -> tuple[Any, ...]:
         load = tuple((r.name, r.in_flight, r.prefill_tokens_queued, r.decoding) for r in core.fleet.replicas)
         index = tuple(tuple(sorted(tracker.predict(p).cached.items())) for p in prompts)
-        return load, index, core.admission.in_flight
+        return load, index, core.admission.in_flight, len(core.output_lengths)
 
     def watched(name: str, step: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
