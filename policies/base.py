@@ -57,6 +57,12 @@ class ReplicaView(Protocol):
         replica has answered; see balancer/routing/latency.py)."""
         ...
 
+    @property
+    def itl_scale(self) -> float:
+        """Observed over predicted time between output tokens there, fitted online the same
+        way from streamed answers' decode."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class RequestFeatures:
@@ -88,6 +94,8 @@ class RequestFeatures:
 # before any fitted speed): the routing core compares it with the observed time to fit each
 # replica's speed (balancer/routing/latency.py).
 MODEL_TTFT_TERM = "model_ttft_ms"
+# Likewise its predicted time per output token there, which fits each replica's decode speed.
+MODEL_ITL_TERM = "model_itl_ms"
 
 
 # Not frozen: one is built per replica per request, and frozen dataclasses cost 3x to create.

@@ -3,23 +3,30 @@
 `cache_aware` counts prefill-token equivalents with fixed weights, which serves one load
 and one kind of card. This policy predicts time with the replica's engine model (the
 chunked-prefill iteration formula of docs/calibration.md) fed with the load the balancer
-has routed there, and a speed per replica fitted online from the times to first token the
-balancer observes (`balancer/routing/latency.py`), so a replica slower than its profile
-claims loses its share without anyone re-deriving weights. For replica r (all in ms)::
+has routed there, and two speeds per replica fitted online from what the balancer observes
+(`balancer/routing/latency.py`): one from times to first token, one from the time between
+output tokens, so a replica slower than its profile claims, at prefill or at decode, loses
+its share without anyone re-deriving weights. For replica r (all in ms)::
 
     batch   = D·d1 + X·d2                    what r's decode batch adds to each iteration
+    own     = e + d1 + d2·(p + n/2)          this request's own decode iteration, alone
     model   = (q·b + P + (1.5 + (q + u)/chunk)·(a + batch)) / w
-    decode  = decode_weight · (1 − β)² · n · batch · v / w
-    fleet   = fleet_weight · β · (P + fleet_decode_weight · n·D·(d1 + d2·(p + n/2))) · v / w
+    itl     = (own + batch) / w              its predicted time per output token there
+    decode  = decode_weight · (1 − β)² · n · (batch·s + own·(s − 1)) / w
+    fleet   = fleet_weight · β · (P·v + fleet_decode_weight · n·D·(d1 + d2·(p + n/2))·s) / w
     cost    = model·v + decode + fleet + locality
 
 with P = u·b + k·u·(c + u/2) the request's own prefill there, p the prompt's tokens, c those
 r holds cached, u = p − c, q the prefill queued on r, D the sequences r decodes and X their
 context tokens, n the expected output (the learned mean output of answers like it, else
-`default_output_tokens`, either bounded by `max_tokens` and `max_output_tokens`), w r's weight and v its relative speed: its fitted multiplier over
-the candidates' median, or 1.0 while within `speed_tolerance` of it (replicas of one kind
-stay equal instead of ranking on the noise of the loads each happened to see; an error
-common to the fleet, such as a profile a little off, cancels).
+`default_output_tokens`, either bounded by `max_tokens` and `max_output_tokens`), w r's
+weight, v its relative prefill speed (its fitted time-to-first-token multiplier over the
+candidates' median) and s its relative decode speed (the same for its fitted
+time-per-output-token multiplier). Each is 1.0 while within `speed_tolerance` of the median:
+replicas of one kind stay equal instead of ranking on the noise of the loads each happened
+to see, and an error common to the fleet, such as a profile a little off, cancels. With s at
+1.0 the decode term is the batch's marginal effect on this request's tokens; a replica that
+decodes s times slower adds the rest of its own decode too.
 
 `model` is this request's own time to first token. `decode` is what the batch it joins does
 to its own tokens: without it a light load piles onto the few warm replicas, and every
@@ -40,10 +47,12 @@ labelled `tier: overflow` compete only once the best committed replica's predict
 first token exceeds `overflow_after_ms`.
 
 Each Choice's terms, all floats: ``cached`` (predicted cached tokens there),
-``model_ttft_ms`` (`model`: what the routing core compares with the observed time to fit
-the replica's multiplier), ``ttft_ms`` (model × the fitted multiplier: the prediction in
-this fleet's own milliseconds), ``speed`` (v), ``decode_ms``, ``fleet_ms``, ``locality_ms``,
-``busy`` (β), ``cost``, ``wait_ms`` (= ttft_ms, for the overflow decision) and ``tier``.
+``output_tokens`` (n), ``model_ttft_ms`` (`model`: what the routing core compares with the
+observed time to fit the replica's multiplier), ``ttft_ms`` (model × the fitted multiplier:
+the prediction in this fleet's own milliseconds), ``model_itl_ms`` (`itl`, fitted the same
+way against the observed time per output token), ``speed`` (v), ``decode_speed`` (s),
+``decode_ms``, ``fleet_ms``, ``locality_ms``, ``busy`` (β), ``cost``, ``wait_ms``
+(= ttft_ms, for the overflow decision) and ``tier``.
 """
 
 from __future__ import annotations
@@ -52,7 +61,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from policies.base import MODEL_TTFT_TERM, Choice, Policy, ReplicaView, RequestFeatures
+from policies.base import MODEL_ITL_TERM, MODEL_TTFT_TERM, Choice, Policy, ReplicaView, RequestFeatures
 from policies.costs import (
     OVERFLOW_TIER,
     fraction_param,
@@ -78,6 +87,8 @@ class PredictivePolicy(Policy):
         Iteration cost per decoding sequence.
     decode_ms_per_context_token (d2, ms, >= 0; default 4.39e-5)
         Iteration cost per context token of the decoding sequences.
+    decode_iteration_ms (e, ms, >= 0; default 8.3)
+        Fixed cost of an iteration that only decodes.
     chunk_tokens (tokens, >= 1; default 8192)
         Prefill tokens one iteration takes (vLLM's max_num_batched_tokens, SGLang's
         chunked_prefill_size): a long queue is that many iterations.
@@ -99,7 +110,11 @@ class PredictivePolicy(Policy):
     use_fitted_speed (true or false; default true)
         Rank on each replica's fitted speed; false trusts the profile (and the weights).
     speed_tolerance (fraction, >= 0; default 0.3)
-        Fitted speeds within this fraction of the candidates' median count as equal.
+        Fitted prefill speeds within this fraction of the candidates' median count as equal.
+    decode_speed_tolerance (fraction, >= 0; default 1.0)
+        The same for decode speeds. Wider, because the time between a stream's tokens also
+        carries the prefill chunks its replica ran meanwhile, which the fit cannot tell
+        from a slow decode: at 0.3 it cost cache hits on the shared trace at 4x.
     default_output_tokens (tokens, >= 0; default 256)
         Expected output when the request names no `max_tokens` and too few answers like it
         have ended on their own to learn from (their mean, bounded by `max_tokens`, wins).
@@ -126,12 +141,14 @@ class PredictivePolicy(Policy):
         attention_ms_per_token2: float = 7.4e-7,
         decode_ms_per_seq: float = 0.009,
         decode_ms_per_context_token: float = 4.39e-5,
+        decode_iteration_ms: float = 8.3,
         chunk_tokens: float = 8192,
         decode_weight: float = 0.6,
         fleet_weight: float = 4.0,
         fleet_decode_weight: float = 0.0,
         use_fitted_speed: bool = True,
         speed_tolerance: float = 0.3,
+        decode_speed_tolerance: float = 1.0,
         busy_reference_ms: float = 30.0,
         default_output_tokens: float = 256,
         max_output_tokens: float = 2048,
@@ -155,6 +172,7 @@ class PredictivePolicy(Policy):
         self.decode_ms_per_context_token = number_param(
             "decode_ms_per_context_token", decode_ms_per_context_token, "ms per context token"
         )
+        self.decode_iteration_ms = number_param("decode_iteration_ms", decode_iteration_ms, "ms")
         self.chunk_tokens = number_param("chunk_tokens", chunk_tokens, "tokens", positive=True)
         if self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1 (tokens), got {chunk_tokens!r}")
@@ -166,6 +184,8 @@ class PredictivePolicy(Policy):
         self.use_fitted_speed = use_fitted_speed
         self.speed_tolerance = number_param("speed_tolerance", speed_tolerance, "fraction")
         self._speed_band = 1.0 + self.speed_tolerance
+        self.decode_speed_tolerance = number_param("decode_speed_tolerance", decode_speed_tolerance, "fraction")
+        self._decode_speed_band = 1.0 + self.decode_speed_tolerance
         self.busy_reference_ms = number_param(
             "busy_reference_ms", busy_reference_ms, "ms", positive=True
         )
@@ -186,7 +206,7 @@ class PredictivePolicy(Policy):
             return min(learned, bound)
         return self.default_output_tokens if wanted is None or wanted < 0 else bound
 
-    def _relative_speeds(self, fits: list[float]) -> list[float] | None:
+    def _relative_speeds(self, fits: list[float], band: float) -> list[float] | None:
         """Each replica's fitted multiplier over the candidates' median, 1.0 inside the
         tolerance; None when every one is inside it.
 
@@ -197,7 +217,7 @@ class PredictivePolicy(Policy):
         ordered = sorted(fits)
         mid = len(ordered) // 2
         median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-        low, high = median / self._speed_band, median * self._speed_band
+        low, high = median / band, median * band
         if ordered[0] >= low and ordered[-1] <= high:
             return None
         return [1.0 if low <= f <= high else f / median for f in fits]
@@ -217,6 +237,7 @@ class PredictivePolicy(Policy):
         n = self.expected_output(request)
         # What one more sequence of this request's length adds to each iteration it shares.
         per_seq_added = d1 + d2 * (prompt + n / 2)
+        own_decode = self.decode_iteration_ms + per_seq_added
         decode_w = self.decode_weight
         fleet_decode_w = self.fleet_decode_weight
         same_pen = self.same_region_penalty_ms
@@ -227,7 +248,10 @@ class PredictivePolicy(Policy):
         fitted = self.use_fitted_speed
 
         fits = [r.ttft_scale for r in replicas]
-        scales = self._relative_speeds(fits) if fitted and min(fits) != max(fits) else None
+        scales = self._relative_speeds(fits, self._speed_band) if fitted and min(fits) != max(fits) else None
+        decode_fits = [r.itl_scale for r in replicas]
+        decode_scales = (self._relative_speeds(decode_fits, self._decode_speed_band)
+                         if fitted and min(decode_fits) != max(decode_fits) else None)
         # β from the shortest backlog: some idle replica means the fleet is not saturated.
         shortest = math.inf
         for j, r in enumerate(replicas):
@@ -255,13 +279,14 @@ class PredictivePolicy(Policy):
             queued = r.prefill_tokens_queued
             decoding = r.decoding
             speed = scales[i] if scales else 1.0
-            per = speed / r.weight
+            decode_speed = decode_scales[i] if decode_scales else 1.0
+            inv_w = 1.0 / r.weight
             batch = decoding * d1 + r.context_tokens * d2
             own_prefill = uncached * b + k * uncached * (cached + uncached * 0.5)
-            model_ttft = (queued * b + own_prefill + (1.5 + (queued + uncached) * inv_chunk) * (a + batch)) / r.weight
+            model_ttft = (queued * b + own_prefill + (1.5 + (queued + uncached) * inv_chunk) * (a + batch)) * inv_w
             ttft = model_ttft * fits[i]
-            decode = decode_w * n * batch * per
-            fleet = (own_prefill + fleet_decode_w * n * decoding * per_seq_added) * per * fleet_w
+            decode = decode_w * n * (batch * decode_speed + own_decode * (decode_speed - 1.0)) * inv_w
+            fleet = (own_prefill * speed + fleet_decode_w * n * decoding * per_seq_added * decode_speed) * inv_w * fleet_w
             labels = r.labels
             near = 0.0 if origin is None else locality(labels, origin, same_pen, other_pen)
             cost = model_ttft * speed + decode + fleet + near
@@ -273,11 +298,13 @@ class PredictivePolicy(Policy):
                         "output_tokens": n,
                         "ttft_ms": ttft,
                         MODEL_TTFT_TERM: model_ttft,
+                        MODEL_ITL_TERM: (own_decode + batch) * inv_w,
                         "decode_ms": decode,
                         "fleet_ms": fleet,
                         "locality_ms": near,
                         "busy": busy,
                         "speed": speed,
+                        "decode_speed": decode_speed,
                         "cost": cost,
                         "wait_ms": ttft,
                         "tier": 0.0,

@@ -18,3 +18,4 @@ class FakeReplica:
     decoding: int = 0
     context_tokens: int = 0
     ttft_scale: float = 1.0
+    itl_scale: float = 1.0

@@ -15,7 +15,9 @@ and passes the time in:
     first byte  `first_byte(journey, now)`: its prefill is done; a streamed answer's time
                 to first byte, against the policy's prediction, fits the replica's speed
     usage       `learn(journey, prompt tokens, cached tokens)`: the replica's own figures
-    output      `learned_output(journey, output tokens)`: the answer's length, once it ended
+    output      `learned_output(journey, output tokens, now)`: the answer's length once it
+                ended, and, streamed, its time per output token, which fits the replica's
+                decode speed
     finish      `end_attempt(journey, answered)`: the load leaves, the index keeps or
                 forgets what the attempt recorded
 
@@ -40,7 +42,7 @@ from balancer.routing.breaker import CLOSED
 from balancer.routing.fleet import Fleet, Replica
 from balancer.routing.output_length import OutputLengths
 from balancer.routing.tracker import CacheTracker, Lesson, Routed
-from policies.base import MODEL_TTFT_TERM, Choice, Policy, RequestFeatures
+from policies.base import MODEL_ITL_TERM, MODEL_TTFT_TERM, Choice, Policy, RequestFeatures
 
 # Phases of one attempt on one replica.
 IDLE, PREFILLING, DECODING = 0, 1, 2
@@ -64,6 +66,8 @@ class Journey:
     context: int = 0  # the prompt tokens the attempt adds to its replica's decode context
     sent_at: float = 0.0  # when the attempt started, for the latency fit
     model_ttft_ms: float = 0.0  # the policy's predicted time to first token before the fit, if any
+    model_itl_ms: float = 0.0  # and its predicted time per output token
+    first_byte_at: float | None = None  # when the attempt's answer started, for the decode fit
     max_attempts: int = 3
     _next: int = 0
 
@@ -176,7 +180,10 @@ class RoutingCore:
         journey.uncached = uncached
         journey.phase = PREFILLING
         journey.sent_at = now
-        journey.model_ttft_ms = choice.terms.get(MODEL_TTFT_TERM, 0.0)
+        terms = choice.terms
+        journey.model_ttft_ms = terms.get(MODEL_TTFT_TERM, 0.0)
+        journey.model_itl_ms = terms.get(MODEL_ITL_TERM, 0.0)
+        journey.first_byte_at = None
         context = journey.context = journey.features.prompt_tokens
         replica.context_tokens += context
         replica.in_flight += 1
@@ -196,6 +203,7 @@ class RoutingCore:
             return None
         replica.prefill_tokens_queued -= journey.uncached
         journey.phase = DECODING
+        journey.first_byte_at = now
         tracker = self.tracker
         if journey.routed is not None and tracker is not None:
             tracker.first_byte(journey.routed, replica)
@@ -212,12 +220,22 @@ class RoutingCore:
             return None
         return self.tracker.learn(journey.routed, replica, prompt_tokens, cached_tokens)
 
-    def learned_output(self, journey: Journey, output_tokens: int) -> None:
+    def learned_output(self, journey: Journey, output_tokens: int, now: float | None = None) -> float | None:
         """The answer ended with `output_tokens` generated; one cut at its `max_tokens` says
-        only that the model would have written more, and teaches nothing."""
+        only that the model would have written more, and teaches no length.
+
+        With `now`, a streamed answer's time per output token after the first also fits the
+        replica's decode speed; returns that prediction's error (observed over predicted)
+        when it did."""
         features = journey.features
         self.output_lengths.observe(features.model, features.route, features.prompt_tokens,
                                     output_tokens, features.max_tokens)
+        replica, started = journey.replica, journey.first_byte_at
+        if (now is None or replica is None or started is None or not features.stream
+                or output_tokens < 2 or journey.model_itl_ms <= 0):
+            return None
+        per_token_ms = (now - started) * 1000.0 / (output_tokens - 1)
+        return replica.decode_latency.observe(per_token_ms, journey.model_itl_ms)
 
     def failed(self, journey: Journey, now: float) -> bool:
         """The attempt failed by the replica's fault; True when that ejects it."""

@@ -22,7 +22,7 @@ class Replica:
         "declared_model", "in_flight", "healthy", "discovered_models", "model_cards",
         "prefill_tokens_queued", "decoding", "breaker", "draining", "settings",
         "remote_in_flight", "remote_prefill_tokens_queued", "remote_decoding",
-        "context_tokens", "latency",
+        "context_tokens", "latency", "decode_latency",
     )
 
     def __init__(self, settings: ReplicaSettings, breaker: BreakerSettings | None = None) -> None:
@@ -46,7 +46,8 @@ class Replica:
         self.remote_decoding = 0
         # This instance's decoding requests' prompt tokens (other instances' are not shared).
         self.context_tokens = 0
-        self.latency = LatencyFit()
+        self.latency = LatencyFit()  # time to first token: prefill and queue
+        self.decode_latency = LatencyFit()  # time between output tokens: the decode batch
         self.breaker = Breaker(breaker or BreakerSettings())
         # Draining: no new requests; those in flight finish (admin API).
         self.draining = False
@@ -59,6 +60,10 @@ class Replica:
     @property
     def ttft_scale(self) -> float:
         return self.latency.scale
+
+    @property
+    def itl_scale(self) -> float:
+        return self.decode_latency.scale
 
     def serves(self, model: str | None) -> bool:
         if model is None:

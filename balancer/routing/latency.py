@@ -1,4 +1,4 @@
-"""Each replica's speed, learned from what the balancer sees of it.
+"""Each replica's speeds, learned from what the balancer sees of it.
 
 A latency-predicting policy (policies/predictive.py) prices every replica with a model of
 its engine: the calibrated iteration formula of the replica's profile, fed with the load the
@@ -13,8 +13,14 @@ is clipped (a timeout, a cold start or a paging stall is one sample, not a verdi
 multiplier stays inside [MIN_SCALE, MAX_SCALE], and only streamed answers teach it: a
 non-streaming answer's first byte comes after its last token, not after its prefill.
 
-Sans I/O: the routing core reports each first byte with the time it measured, so the same
-fit runs live and in the simulator.
+Each replica has two: one on its time to first token (prefill and the queue ahead of it),
+one on its time per output token once the answer streams (the decode batch), fitted the
+same way when a streamed answer ends, from its length and the time since its first byte.
+A card can be faster at one than the other (an H200 has an H100's compute and more memory
+bandwidth: much the same prefill, faster decode).
+
+Sans I/O: the routing core reports each first byte and each end with the time it measured,
+so the same fits run live and in the simulator.
 """
 
 from __future__ import annotations

@@ -95,6 +95,7 @@ class Metrics(Collector):
         self.corrections: defaultdict[str, int] = defaultdict(int)
         self.prediction_error = _Histogram(ERROR_BUCKETS)
         self.ttft_error = _Histogram(RATIO_BUCKETS)
+        self.itl_error = _Histogram(RATIO_BUCKETS)
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
@@ -147,6 +148,10 @@ class Metrics(Collector):
     def observe_ttft_error(self, ratio: float) -> None:
         """A streamed answer's observed time to first byte over the policy's prediction."""
         self.ttft_error.observe(ratio)
+
+    def observe_itl_error(self, ratio: float) -> None:
+        """A streamed answer's observed time per output token over the policy's prediction."""
+        self.itl_error.observe(ratio)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -272,6 +277,14 @@ class Metrics(Collector):
         )
         ttft_error.add_metric([], self.ttft_error.family_buckets(), self.ttft_error.total)
         yield ttft_error
+        itl_error = HistogramMetricFamily(
+            "kvlb_itl_prediction_ratio",
+            "Observed over predicted time per output token of streamed answers that reported "
+            "their length (predictive policy; 1.0 is exact), with each replica's fitted decode "
+            "speed applied",
+        )
+        itl_error.add_metric([], self.itl_error.family_buckets(), self.itl_error.total)
+        yield itl_error
 
         if self.token_ratio is not None:
             per_char = GaugeMetricFamily(
@@ -331,9 +344,16 @@ class Metrics(Collector):
             "profile; 2.0 = twice as slow), learned from streamed answers",
             labels=["replica"],
         )
+        itl_scale = GaugeMetricFamily(
+            "kvlb_replica_itl_scale",
+            "Fitted multiplier on the replica's predicted time per output token (1.0 = as its "
+            "profile), learned from streamed answers that reported their length",
+            labels=["replica"],
+        )
         now = asyncio.get_running_loop().time()
         for replica in self.fleet.replicas:
             scale.add_metric([replica.name], replica.ttft_scale)
+            itl_scale.add_metric([replica.name], replica.itl_scale)
             in_flight.add_metric([replica.name], replica.in_flight)
             healthy.add_metric([replica.name], 1.0 if replica.healthy else 0.0)
             breaker.add_metric([replica.name], STATE_VALUES[replica.breaker.state(now)])
@@ -345,3 +365,4 @@ class Metrics(Collector):
         yield ejections
         yield queued
         yield scale
+        yield itl_scale

@@ -350,7 +350,9 @@ class Proxy:
             if self.read_usage:
                 outcome.tokens = counts
         if routed is not None and counts is not None and counts.output is not None:
-            self.core.learned_output(journey, counts.output)
+            error = self.core.learned_output(journey, counts.output, asyncio.get_running_loop().time())
+            if error is not None:
+                self.metrics.observe_itl_error(error)
         await stream.end()
         return None
 

@@ -409,7 +409,7 @@ class Simulator:
             core.first_byte(journey, self.now)
         core.learn(journey, seq.prompt_tokens, seq.cached_tokens)
         if journey.routed is not None:  # as the proxy, which reads answers only for these policies
-            core.learned_output(journey, seq.num_generated)
+            core.learned_output(journey, seq.num_generated, self.now)
         core.answered(journey, self.now, True, None)
         core.end_attempt(journey, answered=True)
         self._leave()

@@ -104,3 +104,25 @@ def test_the_context_of_decoding_requests_is_counted_while_they_run() -> None:
     assert replica.context_tokens == journey.features.prompt_tokens
     core.end_attempt(journey, answered=True)
     assert replica.context_tokens == 0
+
+
+@pytest.mark.parametrize("stream, tokens", [(True, 50), (False, 50), (True, 1)])
+def test_the_core_fits_decode_speed_from_streamed_answers_of_more_than_one_token(stream: bool, tokens: int) -> None:
+    now = [0.0]
+    core, fleet = _core(now)
+    replica = fleet.replicas[0]
+    for i in range(15):
+        features = RequestFeatures("/v1/completions", stream=stream)
+        journey = core.plan("/v1/completions", features, PROMPT + str(i), fleet.replicas)
+        core.next_attempt(journey, float(i))
+        first = float(i) + 0.05
+        core.first_byte(journey, first)
+        per_token_s = 3 * journey.model_itl_ms / 1000.0  # three times slower than predicted
+        error = core.learned_output(journey, tokens, first + per_token_s * (tokens - 1))
+        core.end_attempt(journey, answered=True)
+        assert (error is not None) == (stream and tokens > 1)
+    if stream and tokens > 1:
+        assert replica.itl_scale > 2.5 and replica.decode_latency.samples == 15
+    else:
+        assert replica.itl_scale == 1.0 and replica.decode_latency.samples == 0
+    assert replica.ttft_scale != 1.0 or not stream  # the other fit is the first bytes'

@@ -1,7 +1,9 @@
-"""The predictive policy learns how long answers run from the replicas' usage, through kvlb."""
+"""The predictive policy learns from how answers end, through kvlb: how long they run, and
+how fast each replica decodes them."""
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import AsyncExitStack
 
 import aiohttp
@@ -15,8 +17,9 @@ MODEL = "m"
 NATURAL_LENGTH = 20  # what this model writes when nothing stops it
 
 
-def engine_app() -> web.Application:
-    """Answers with NATURAL_LENGTH tokens, or fewer when max_tokens says so."""
+def engine_app(token_gap_s: float = 0.0) -> web.Application:
+    """Answers with NATURAL_LENGTH tokens, or fewer when max_tokens says so; streams them
+    `token_gap_s` apart."""
 
     async def complete(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -30,6 +33,8 @@ def engine_app() -> web.Application:
         await resp.prepare(request)
         for _ in range(out):
             await resp.write(b'data: {"choices": [{"text": "x "}]}\n\n')
+            if token_gap_s:
+                await asyncio.sleep(token_gap_s)
         if (body.get("stream_options") or {}).get("include_usage"):
             await resp.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
@@ -70,3 +75,39 @@ async def test_expected_output_is_learned_from_answers_that_ended_on_their_own()
         assert seen[-1] == NATURAL_LENGTH
         # max_tokens still bounds what is expected.
         assert await send(200, max_tokens=8) == 8
+
+
+def gauge(metrics: str, name: str, replica: str) -> float:
+    prefix = f'{name}{{replica="{replica}"}}'
+    return float(next(line for line in metrics.splitlines() if line.startswith(prefix)).split()[-1])
+
+
+async def test_a_replica_that_decodes_slower_is_fitted_and_loses_long_answers() -> None:
+    async with AsyncExitStack() as stack:
+        # The profile predicts about 8.4 ms per token on an idle replica.
+        fast = await stack.enter_async_context(serve_app(engine_app(token_gap_s=0.008)))
+        slow = await stack.enter_async_context(serve_app(engine_app(token_gap_s=0.04)))
+        settings = make_settings([{"url": fast, "name": "fast", "model": MODEL},
+                                  {"url": slow, "name": "slow", "model": MODEL}],
+                                 policy={"name": "predictive", "seed": 3})
+        running = await stack.enter_async_context(run_balancer(settings))
+        http = await stack.enter_async_context(aiohttp.ClientSession())
+
+        async def send(n: int) -> str:
+            body = {"model": MODEL, "prompt": f"question {n} " * 50, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            async with http.post(running.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                await resp.read()
+                return resp.headers["x-kvlb-replica"]
+
+        warm = []
+        for wave in range(4):  # concurrent waves, so both replicas answer some
+            warm += await asyncio.gather(*(send(wave * 8 + i) for i in range(8)))
+        assert {"fast", "slow"} <= set(warm)
+        async with http.get(running.url + "/metrics") as resp:
+            metrics = await resp.text()
+        assert gauge(metrics, "kvlb_replica_itl_scale", "slow") > 2 * gauge(metrics, "kvlb_replica_itl_scale", "fast")
+        assert "kvlb_itl_prediction_ratio_count" in metrics
+        later = [await send(100 + n) for n in range(6)]
+    assert later.count("fast") == len(later), later
