@@ -167,3 +167,15 @@ def test_every_parameter_is_documented_and_the_example_config_uses_the_policy() 
     assert settings.policy.name == "predictive"
     make_policy(settings.policy.name, settings.policy.params)  # every value it sets is valid
     assert {r.labels["tier"] for r in settings.replicas} == {"committed", "overflow"}
+
+
+def test_a_prefill_that_would_stall_a_busy_batch_keeps_the_conversation_where_it_is_cached() -> None:
+    # Both replicas decode; the one holding the conversation has the bigger batch. Moving the
+    # request would spare its own tokens some batch, but its 6,000-token prefill would stall
+    # the 24 sequences decoding on the other replica.
+    fleet = [FakeReplica("warm", decoding=36, context_tokens=36 * 6000),
+             FakeReplica("cold", decoding=24, context_tokens=24 * 6000)]
+    req = request(6000, {"warm": 5800}, max_tokens=200)
+    exact = {"tie_tolerance_ms": 0, "tie_tolerance_ratio": 0}
+    assert first(make_policy("predictive", exact), fleet, req) == "warm"
+    assert first(make_policy("predictive", {**exact, "prefill_stall_weight": 0}), fleet, req) == "cold"
