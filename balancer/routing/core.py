@@ -27,8 +27,8 @@ a replica (`in_flight`, `prefill_tokens_queued`, `decoding`); other instances' s
 through `Replica.set_remote_load`.
 
 Timers are the driver's: `call_at(when, callback)` is injected, and the core uses it for
-one thing, forgetting a replica's cache once it has been out (unhealthy or ejected) for
-`routing.forget_unhealthy_after_s`, by when it has likely restarted empty.
+one thing, forgetting a replica's cache and fitted speeds once it has been out (unhealthy
+or ejected) for `routing.forget_unhealthy_after_s`, by when it has likely restarted empty.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from typing import Any, cast
 from balancer.routing.admission import AdmissionQueue
 from balancer.routing.breaker import CLOSED
 from balancer.routing.fleet import Fleet, Replica
+from balancer.routing.latency import LatencyFit
 from balancer.routing.output_length import OutputLengths
 from balancer.routing.tracker import CacheTracker, Lesson, Routed
 from policies.base import MODEL_ITL_TERM, MODEL_TTFT_TERM, Choice, Policy, RequestFeatures
@@ -116,14 +117,17 @@ class RoutingCore:
 
     def went_out(self, replica: Replica, now: float) -> None:
         """`replica` failed its health checks or was ejected: if it is still out after a
-        while, it has probably restarted and lost its cache."""
-        if self.tracker is None:
-            return
+        while, it has probably restarted, lost its cache, and may run elsewhere at another
+        speed."""
         self._call_at(now + self.settings.forget_unhealthy_after_s, lambda later: self._forget_if_out(replica, later))
 
     def _forget_if_out(self, replica: Replica, now: float) -> None:
-        if self.tracker is not None and (not replica.healthy or replica.breaker.state(now) != CLOSED):
+        if replica.healthy and replica.breaker.state(now) == CLOSED:
+            return
+        if self.tracker is not None:
             self.tracker.forget(replica.name)
+        replica.latency = LatencyFit()
+        replica.decode_latency = LatencyFit()
 
     # -- one request ---------------------------------------------------------------------
 

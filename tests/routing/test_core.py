@@ -121,6 +121,18 @@ def test_a_replica_still_out_after_a_while_has_its_cache_forgotten() -> None:
     assert c.tracker.predict(PROMPT).cached == {}  # still out: it has likely restarted empty
 
 
+def test_a_replica_still_out_after_a_while_starts_again_at_its_profiles_speed() -> None:
+    c, replica = make()
+    replica.latency.observe(400.0, 100.0)  # fitted slower than its profile
+    replica.decode_latency.observe(40.0, 10.0)
+    replica.healthy = False
+    c.core.went_out(replica, now=100.0)
+    c.run_timers(until=129.0)
+    assert replica.ttft_scale > 1.0 and replica.itl_scale > 1.0
+    c.run_timers(until=130.0)
+    assert replica.ttft_scale == 1.0 and replica.itl_scale == 1.0
+
+
 def test_a_replica_back_in_time_keeps_its_cache() -> None:
     c, replica = make()
     c.core.end_attempt(c.send(PROMPT), answered=True)
