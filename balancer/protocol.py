@@ -31,5 +31,6 @@ METRIC_SYNC_LAG = "kvlb_sync_lag_seconds"
 
 # -- routes ------------------------------------------------------------------------------------
 # What kvlb forwards to a replica; everything else it answers itself.
-FORWARDED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/generate")
+GENERATE_ROUTE = "/generate"  # SGLang's native route: its answers count tokens in `meta_info`
+FORWARDED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", GENERATE_ROUTE)
 ADMIN_PREFIX = "/admin/"

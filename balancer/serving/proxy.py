@@ -21,7 +21,7 @@ import orjson
 
 from balancer.config import Settings
 from balancer.errors import ClientError
-from balancer.protocol import REPLICA_HEADER
+from balancer.protocol import GENERATE_ROUTE, REPLICA_HEADER
 from balancer.routing.core import Journey, RoutingCore
 from balancer.routing.fleet import Replica
 from balancer.serving.metrics import Metrics
@@ -309,21 +309,22 @@ class Proxy:
 
         stream = await request.start_stream(resp.status, headers, length)
         outcome.stream, outcome.sse = stream, is_sse
-        read_usage = (self.read_usage or routed is not None) and is_sse
         # The last chunk with token counts, and the one after it (an event may straddle them):
-        # parsed once, when the stream ends, for the access log and the answer's length.
+        # parsed once, when the stream ends, for the access log and the answer's length. A
+        # prompt count lives only in such a chunk, so other chunks cost one scan and no call:
+        # SGLang's /generate carries its counts in `meta_info`, the OpenAI routes in `usage`.
         usage: list[bytes] = []
         on_chunk = None
-        if read_usage or routed is not None:
+        if self.read_usage or routed is not None:
+            mark = META_MARK if journey.features.route == GENERATE_ROUTE else USAGE_MARK
 
             def on_chunk(chunk: bytes) -> None:
-                if read_usage:
-                    if USAGE_MARK in chunk or META_MARK in chunk:
-                        usage[:] = [chunk]
-                    elif len(usage) == 1:
-                        usage.append(chunk)
-                if routed is not None and not routed.learned:
-                    self._learn(journey, replica, usage_from_sse(chunk))
+                if mark in chunk:
+                    usage[:] = [chunk]
+                    if routed is not None and not routed.learned:
+                        self._learn(journey, replica, usage_from_sse(chunk))
+                elif len(usage) == 1:
+                    usage.append(chunk)
 
         relay = StreamRelay(stream, resp, asyncio.get_running_loop(), idle_s, on_chunk,
                             lambda: self._first_byte(journey))

@@ -2,7 +2,8 @@
 
 Starts, all on 127.0.0.1: an upstream that answers a streamed chat completion with CHUNKS
 small `chat.completion.chunk` events INTERVAL apart (chunked transfer encoding, then
-`data: [DONE]`), kvlb in front of it (`kvlb serve`, policy least_load), and SGLang's router
+`data: [DONE]`), kvlb in front of it (`kvlb serve`, policy least_load unless `--policy`
+says; the default `predictive` also reads each chunk for the answer's usage), and SGLang's router
 (`sglang-router` from PyPI) in front of it when a Python that has it is given. Then, for each
 of direct / kvlb / sglang, runs `--concurrency` streams at once until `--streams` have run,
 checks every byte of every answer, and prints streams/s, time to first chunk and end to end
@@ -487,7 +488,7 @@ async def bench(args: argparse.Namespace) -> None:
         kvlb_port = free_port()
         routers.append(await start_router(
             "kvlb", [sys.executable, "-m", "balancer", "serve", "--replica", f"http://127.0.0.1:{upstream_port}",
-                     "--port", str(kvlb_port), "--policy", "least_load"], kvlb_port, "/ready", env))
+                     "--port", str(kvlb_port), "--policy", args.policy], kvlb_port, "/ready", env))
         # The same kvlb with Nagle left on towards clients, as SGLang's router has it: the kernel
         # then coalesces chunks, which is most of what separates the two in CPU per chunk.
         nagle_port = free_port()
@@ -495,7 +496,7 @@ async def bench(args: argparse.Namespace) -> None:
         with nagle_config:
             yaml.safe_dump({"listen": {"host": "127.0.0.1", "port": nagle_port, "tcp_nodelay": False},
                             "replicas": [{"url": f"http://127.0.0.1:{upstream_port}"}],
-                            "policy": {"name": "least_load"}}, nagle_config)
+                            "policy": {"name": args.policy}}, nagle_config)
         try:
             routers.append(await start_router(
                 "kvlb-nagle", [sys.executable, "-m", "balancer", "serve", "--config", nagle_config.name],
@@ -569,6 +570,7 @@ def main() -> None:
     parser.add_argument("--client-quickack", action="store_true",
                         help="the client ACKs every read at once, so a router that leaves Nagle on "
                              "cannot batch its writes behind the client's delayed ACKs")
+    parser.add_argument("--policy", default="least_load", help="kvlb's routing policy")
     parser.add_argument("--sglang-policy", default="round_robin", choices=("round_robin", "cache_aware"))
     parser.add_argument("--sglang-args", default="", help="more arguments for sglang_router.launch_router")
     parser.add_argument(
