@@ -58,6 +58,16 @@ class ReplicaView(Protocol):
         ...
 
     @property
+    def ttft_samples(self) -> int:
+        """Answers that have taught `ttft_scale` (0: nothing known of the replica yet)."""
+        ...
+
+    @property
+    def itl_samples(self) -> int:
+        """Answers that have taught `itl_scale`."""
+        ...
+
+    @property
     def itl_scale(self) -> float:
         """Observed over predicted time between output tokens there, fitted online the same
         way from streamed answers' decode."""

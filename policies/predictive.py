@@ -259,9 +259,9 @@ class PredictivePolicy(Policy):
         rand = self.rng.random
         fitted = self.use_fitted_speed
 
-        fits = [r.ttft_scale for r in replicas]
+        fits = _trusted_fits([r.ttft_scale for r in replicas], [r.ttft_samples for r in replicas])
         scales = self._relative_speeds(fits, self._speed_band) if fitted and min(fits) != max(fits) else None
-        decode_fits = [r.itl_scale for r in replicas]
+        decode_fits = _trusted_fits([r.itl_scale for r in replicas], [r.itl_samples for r in replicas])
         decode_scales = (self._relative_speeds(decode_fits, self._decode_speed_band)
                          if fitted and min(decode_fits) != max(decode_fits) else None)
         # β from the shortest backlog: some idle replica means the fleet is not saturated.
@@ -332,3 +332,37 @@ class PredictivePolicy(Policy):
                 best_committed_wait = ttft
             i += 1
         return rank_with_tiers(choices, keys, overflow, best_committed_wait, self.overflow_after_ms)
+
+
+# A fit of n answers counts for n / (n + FIT_CONFIDENCE) of its distance from the fleet's
+# median; from TRUSTED_SAMPLES answers on, for all of it.
+FIT_CONFIDENCE = 2
+TRUSTED_SAMPLES = 16
+
+
+def _trusted_fits(fits: list[float], samples: list[int]) -> list[float]:
+    """Each replica's fit, drawn toward the median of the fitted ones by how little has
+    taught it; a replica nothing has taught yet counts as that median.
+
+    The fit decides the traffic that teaches it, so trusting a young fit feeds back on
+    itself: a replica that answered one request slowly by chance would get no more and
+    stay slow on paper, and one fitted alone (at a tenth of its profile, say, on replicas
+    sped up for a test) would look ten times faster than replicas not yet measured and keep
+    every request (199 of 200 in `make demo`). Drawn in, one unlucky answer stays inside
+    `speed_tolerance`, while a replica five times slower is out of it from its second."""
+    if min(samples) >= TRUSTED_SAMPLES:
+        return fits
+    known = sorted(f for f, n in zip(fits, samples, strict=True) if n)
+    if not known:
+        return fits
+    mid = len(known) // 2
+    median = known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
+    trusted = []
+    for f, n in zip(fits, samples, strict=True):
+        if n >= TRUSTED_SAMPLES:
+            trusted.append(f)
+        elif n == 0:
+            trusted.append(median)
+        else:
+            trusted.append(median * (f / median) ** (n / (n + FIT_CONFIDENCE)))
+    return trusted

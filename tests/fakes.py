@@ -19,3 +19,6 @@ class FakeReplica:
     context_tokens: int = 0
     ttft_scale: float = 1.0
     itl_scale: float = 1.0
+    # A fake's scales count as fitted and trusted: a test that sets one means a replica long measured.
+    ttft_samples: int = 100
+    itl_samples: int = 100

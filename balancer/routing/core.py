@@ -213,7 +213,9 @@ class RoutingCore:
             tracker.first_byte(journey.routed, replica)
         if now is None or not journey.features.stream or journey.model_ttft_ms <= 0:
             return None
-        return replica.latency.observe((now - journey.sent_at) * 1000.0, journey.model_ttft_ms)
+        fit = replica.latency
+        prior = self._median_fit(False) if fit.samples == 0 else None
+        return fit.observe((now - journey.sent_at) * 1000.0, journey.model_ttft_ms, prior)
 
     def learn(self, journey: Journey, prompt_tokens: int, cached_tokens: int | None) -> Lesson | None:
         """The replica's own token figures for this prompt, against the prediction; at most
@@ -239,7 +241,21 @@ class RoutingCore:
                 or output_tokens < 2 or journey.model_itl_ms <= 0):
             return None
         per_token_ms = (now - started) * 1000.0 / (output_tokens - 1)
-        return replica.decode_latency.observe(per_token_ms, journey.model_itl_ms)
+        fit = replica.decode_latency
+        prior = self._median_fit(True) if fit.samples == 0 else None
+        return fit.observe(per_token_ms, journey.model_itl_ms, prior)
+
+    def _median_fit(self, decode: bool) -> float | None:
+        """The median of the fleet's fitted multipliers, where some replica has one: where a
+        replica's first sample starts (`LatencyFit.observe`)."""
+        fits = sorted(
+            fit.scale for fit in (r.decode_latency if decode else r.latency for r in self.fleet.replicas)
+            if fit.samples
+        )
+        if not fits:
+            return None
+        mid = len(fits) // 2
+        return fits[mid] if len(fits) % 2 else (fits[mid - 1] + fits[mid]) / 2
 
     def failed(self, journey: Journey, now: float) -> bool:
         """The attempt failed by the replica's fault; True when that ejects it."""

@@ -65,6 +65,14 @@ class Replica:
     def itl_scale(self) -> float:
         return self.decode_latency.scale
 
+    @property
+    def ttft_samples(self) -> int:
+        return self.latency.samples
+
+    @property
+    def itl_samples(self) -> int:
+        return self.decode_latency.samples
+
     def serves(self, model: str | None) -> bool:
         if model is None:
             return True

@@ -52,12 +52,20 @@ class LatencyFit:
         # The last observed / predicted ratio with the multiplier applied (1.0 is exact).
         self.last_error = 1.0
 
-    def observe(self, observed_ms: float, model_ms: float) -> float | None:
-        """One first byte: `model_ms` is the profile's prediction before the multiplier.
+    def observe(self, observed_ms: float, model_ms: float, prior: float | None = None) -> float | None:
+        """One sample: `model_ms` is the profile's prediction before the multiplier.
         Returns observed over the prediction with the multiplier as it was (the error), or
-        None when the sample teaches nothing."""
+        None when the sample teaches nothing.
+
+        `prior`, for a replica's first sample, is where its fit starts instead of 1.0: the
+        fleet's median fit. An error the whole fleet shares (replicas sped up for a test, a
+        network in front) then costs a newcomer nothing, where from 1.0 the clipped steps
+        would take a dozen answers to catch up while the replicas already fitted looked
+        that much faster and kept the traffic that could teach it."""
         if not (model_ms >= MIN_PREDICTED_MS and observed_ms > 0) or not math.isfinite(observed_ms):
             return None
+        if self.samples == 0 and prior is not None and MIN_SCALE <= prior <= MAX_SCALE:
+            self._log_scale = math.log(prior)
         log_ratio = math.log(observed_ms / model_ms)
         error = math.exp(log_ratio - self._log_scale)
         step = ALPHA * (log_ratio - self._log_scale)

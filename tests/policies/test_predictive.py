@@ -179,3 +179,27 @@ def test_a_prefill_that_would_stall_a_busy_batch_keeps_the_conversation_where_it
     exact = {"tie_tolerance_ms": 0, "tie_tolerance_ratio": 0}
     assert first(make_policy("predictive", exact), fleet, req) == "warm"
     assert first(make_policy("predictive", {**exact, "prefill_stall_weight": 0}), fleet, req) == "cold"
+
+
+def test_replicas_not_yet_fitted_count_as_the_fitted_median() -> None:
+    # Replicas sped up tenfold for a test: the one that answered first is fitted at 0.1 of
+    # its profile; the others have not answered yet and must not look ten times slower.
+    fleet = [FakeReplica("seen", ttft_scale=0.1, itl_scale=0.1, ttft_samples=5, itl_samples=5)]
+    fleet += [FakeReplica(f"new{i}", ttft_samples=0, itl_samples=0) for i in range(3)]
+    counts = picks(make_policy("predictive", seed=2), fleet, request(2000))
+    assert counts["seen"] < 120 and len(counts) == 4, counts
+    # Once they are fitted too, a real difference counts again.
+    fitted = [FakeReplica("slow", ttft_scale=5.0, ttft_samples=5)] + [FakeReplica(f"r{i}") for i in range(3)]
+    assert picks(make_policy("predictive", seed=2), fitted, request(2000))["slow"] == 0
+
+
+def test_one_slow_answer_is_not_a_verdict_but_two_clipped_steps_are() -> None:
+    # The fit moves at most 1.5x per answer: one unlucky answer, and a replica five times
+    # slower after two.
+    healthy = [FakeReplica(f"r{i}") for i in range(3)]
+    unlucky = picks(make_policy("predictive", seed=4), healthy + [FakeReplica("x", ttft_scale=1.5, ttft_samples=1)],
+                    request(2000))
+    assert unlucky["x"] > 20, unlucky
+    slow = picks(make_policy("predictive", seed=4), healthy + [FakeReplica("x", ttft_scale=2.25, ttft_samples=2)],
+                 request(2000))
+    assert slow["x"] == 0, slow

@@ -126,3 +126,29 @@ def test_the_core_fits_decode_speed_from_streamed_answers_of_more_than_one_token
     else:
         assert replica.itl_scale == 1.0 and replica.decode_latency.samples == 0
     assert replica.ttft_scale != 1.0 or not stream  # the other fit is the first bytes'
+
+
+def test_a_first_sample_starts_from_the_fleets_median_not_the_profile() -> None:
+    # Replicas sped up tenfold: the fleet's fits sit near 0.1. A newcomer's first answer, as
+    # fast as theirs, must put it beside them, not at the 1/1.5 a clipped step from 1.0 gives.
+    fit = LatencyFit()
+    fit.observe(10.0, 100.0, prior=0.1)
+    assert fit.scale == pytest.approx(0.1, rel=0.01)
+    later = LatencyFit()
+    later.observe(10.0, 100.0)
+    assert later.scale == pytest.approx(1 / 1.5)
+
+
+def test_the_core_gives_a_new_replica_the_fleets_median_fit() -> None:
+    now = [0.0]
+    fleet = Fleet([ReplicaSettings(url=f"http://127.0.0.1:900{i}", name=f"r{i}") for i in range(2)])
+    core = RoutingCore(fleet, make_policy("predictive"), CacheTracker(RoutingSettings(), lambda: now[0]),
+                       AdmissionQueue(8, 8), CoreSettings(), call_at=lambda when, cb: None)
+    old, new = fleet.replicas
+    for _ in range(30):
+        old.latency.observe(10.0, 100.0)
+    features = RequestFeatures("/v1/completions", stream=True)
+    journey = core.plan("/v1/completions", features, PROMPT, [new])
+    core.next_attempt(journey, 0.0)
+    core.first_byte(journey, 0.1 * journey.model_ttft_ms / 1000.0)  # as fast as the fleet
+    assert new.ttft_scale == pytest.approx(old.ttft_scale, rel=0.05)
