@@ -107,9 +107,9 @@ class PredictivePolicy(Policy):
     prefill_stall_weight (>= 0; default 0.2)
         Weight of the stall this request's prefill inflicts on each sequence decoding on
         the replica, at β = 0 (in ms per ms of prefill per sequence). On the shared trace at
-        4x (seeds 0-2) it lifted the hit from 0.217-0.229 to 0.251-0.261 and cut end-to-end
-        p50 from 4.9-5.9 s to 3.2-3.7 s; on 256 tenants of 6,000-token prompts over 4
-        replicas in overload, TTFT p50 from 640 to 145 ms.
+        4x (seeds 0-2) the hit is 0.260-0.266 with it, 0.217-0.229 without, and end-to-end
+        p50 3.5-3.6 s against 4.9-5.9 s; on 256 tenants of 6,000-token prompts over 4
+        replicas in overload, TTFT p50 141 ms against 640.
     fleet_decode_weight (>= 0; default 0.0)
         Weight, inside the fleet's work, of the slowdown this request's decode adds to the
         sequences beside it. Off by default: on the shared trace in overload it spread
