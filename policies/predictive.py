@@ -65,7 +65,14 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from policies.base import MODEL_ITL_TERM, MODEL_TTFT_TERM, Choice, Policy, ReplicaView, RequestFeatures
+from policies.base import (
+    MODEL_ITL_TERM,
+    MODEL_TTFT_TERM,
+    Choice,
+    Policy,
+    ReplicaView,
+    RequestFeatures,
+)
 from policies.costs import (
     OVERFLOW_TIER,
     fraction_param,

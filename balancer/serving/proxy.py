@@ -26,8 +26,8 @@ from balancer.routing.core import Journey, RoutingCore
 from balancer.routing.fleet import Replica
 from balancer.serving.metrics import Metrics
 from balancer.serving.usage import (
-    PROMPT_MARK,
     META_MARK,
+    PROMPT_MARK,
     USAGE_MARK,
     TokenCounts,
     counts_from_sse,
