@@ -62,6 +62,7 @@ way against the observed time per output token), ``speed`` (v), ``decode_speed``
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -233,11 +234,9 @@ class PredictivePolicy(Policy):
         to the whole fleet (a profile a little off, a network in front) cancels. The
         tolerance keeps replicas of one kind equal: their fits differ by the noise of the
         loads each happened to see, and ranking on that noise would cost cache hits."""
-        ordered = sorted(fits)
-        mid = len(ordered) // 2
-        median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+        median = statistics.median(fits)
         low, high = median / band, median * band
-        if ordered[0] >= low and ordered[-1] <= high:
+        if min(fits) >= low and max(fits) <= high:
             return None
         return [1.0 if low <= f <= high else f / median for f in fits]
 
@@ -359,11 +358,10 @@ def _trusted_fits(fits: list[float], samples: list[int]) -> list[float]:
     `speed_tolerance`, while a replica five times slower is out of it from its second."""
     if min(samples) >= TRUSTED_SAMPLES:
         return fits
-    known = sorted(f for f, n in zip(fits, samples, strict=True) if n)
+    known = [f for f, n in zip(fits, samples, strict=True) if n]
     if not known:
         return fits
-    mid = len(known) // 2
-    median = known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
+    median = statistics.median(known)
     trusted = []
     for f, n in zip(fits, samples, strict=True):
         if n >= TRUSTED_SAMPLES:

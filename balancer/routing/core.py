@@ -33,6 +33,7 @@ or ejected) for `routing.forget_unhealthy_after_s`, by when it has likely restar
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -248,14 +249,9 @@ class RoutingCore:
     def _median_fit(self, decode: bool) -> float | None:
         """The median of the fleet's fitted multipliers, where some replica has one: where a
         replica's first sample starts (`LatencyFit.observe`)."""
-        fits = sorted(
-            fit.scale for fit in (r.decode_latency if decode else r.latency for r in self.fleet.replicas)
-            if fit.samples
-        )
-        if not fits:
-            return None
-        mid = len(fits) // 2
-        return fits[mid] if len(fits) % 2 else (fits[mid - 1] + fits[mid]) / 2
+        fits = [fit.scale for fit in (r.decode_latency if decode else r.latency for r in self.fleet.replicas)
+                if fit.samples]
+        return statistics.median(fits) if fits else None
 
     def failed(self, journey: Journey, now: float) -> bool:
         """The attempt failed by the replica's fault; True when that ejects it."""

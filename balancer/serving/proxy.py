@@ -33,9 +33,9 @@ from balancer.serving.usage import (
     counts_from_sse,
     counts_of,
     has_usage,
+    learnable,
     parse_json,
     usage_from_sse,
-    usage_of,
 )
 from balancer.wire.client import InvalidResponse, UpstreamError, UpstreamPool, UpstreamResponse
 from balancer.wire.relay import StreamRelay
@@ -302,7 +302,7 @@ class Proxy:
                 outcome.tokens = counts
             self._first_byte(journey)
             if routed is not None:
-                self._learn(journey, replica, usage_of(payload))
+                self._learn(journey, replica, learnable(counts))
                 if counts is not None and counts.output is not None:
                     self.core.learned_output(journey, counts.output)
             return None

@@ -85,17 +85,11 @@ def counts_from_sse(chunk: bytes, mark: bytes | None = None) -> TokenCounts | No
     return None
 
 
-def _learnable(counts: TokenCounts | None) -> tuple[int, int | None] | None:
+def learnable(counts: TokenCounts | None) -> tuple[int, int | None] | None:
     """(prompt tokens, cached tokens or None) when the replica reported the prompt's."""
     if counts is None or counts.prompt is None or counts.prompt <= 0:
         return None
     return counts.prompt, counts.cached
-
-
-def usage_of(payload: Any) -> tuple[int, int | None] | None:
-    """(prompt tokens, cached tokens or None) from a parsed answer or event, if it carries a
-    prompt count."""
-    return _learnable(counts_of(payload))
 
 
 def usage_from_sse(chunk: bytes) -> tuple[int, int | None] | None:
@@ -103,4 +97,4 @@ def usage_from_sse(chunk: bytes) -> tuple[int, int | None] | None:
     count."""
     if PROMPT_MARK not in chunk:
         return None
-    return _learnable(counts_from_sse(chunk, PROMPT_MARK))
+    return learnable(counts_from_sse(chunk, PROMPT_MARK))
