@@ -119,3 +119,36 @@ def endless_stream_app(seen: Seen, gap_s: float = 0.02) -> web.Application:
     app.router.add_route("POST", "/{tail:.*}", stream)
     app.router.add_get("/health", healthy)
     return app
+
+
+def usage_reporting_app(*, natural_length: int = 20, token_gap_s: float = 0.0,
+                        report_cached: bool = True) -> web.Application:
+    """A completions engine that counts one token per word and reports usage as vLLM does:
+    `natural_length` tokens, or fewer when max_tokens says so, streamed `token_gap_s` apart,
+    the usage chunk only when the client asked for it. Without `report_cached` it leaves out
+    `prompt_tokens_details`, as vLLM does without --enable-prompt-tokens-details."""
+
+    async def complete(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        bound = body.get("max_tokens")
+        out = natural_length if bound is None else min(bound, natural_length)
+        usage: dict = {"prompt_tokens": len(body["prompt"].split()), "completion_tokens": out}
+        if report_cached:
+            usage["prompt_tokens_details"] = {"cached_tokens": 0}
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"text": "x " * out}], "usage": usage})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(out):
+            await resp.write(b'data: {"choices": [{"text": "x "}]}\n\n')
+            if token_gap_s:
+                await asyncio.sleep(token_gap_s)
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await resp.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    app.router.add_get("/health", healthy)
+    return app

@@ -6,15 +6,13 @@ import asyncio
 from contextlib import AsyncExitStack
 
 import aiohttp
-import orjson
 import pytest
-from aiohttp import web
 
 from balancer.routing.request import canonical_prompt
 from loadtest.replica.config import ReplicaConfig
 from loadtest.replica.launch import running_replica
 from tests.conftest import make_settings, run_balancer, serve_app
-from tests.upstreams import healthy
+from tests.upstreams import usage_reporting_app
 
 MODEL = "sim"
 
@@ -154,31 +152,9 @@ async def test_tokens_per_character_is_learned_from_the_replicas_usage() -> None
     assert tracker.predict(fresh, MODEL).prompt_tokens == pytest.approx(tokens, rel=0.05)
 
 
-def prompt_count_only_app() -> web.Application:
-    """An engine that counts one token per word and reports no cached tokens, as vLLM does
-    without --enable-prompt-tokens-details."""
-
-    async def complete(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        usage = {"prompt_tokens": len(body["prompt"].split()), "completion_tokens": 1}
-        if not body.get("stream"):
-            return web.json_response({"choices": [{"text": "x"}], "usage": usage})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await resp.write(b'data: {"choices": [{"text": "x"}]}\n\n')
-        await resp.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", complete)
-    app.router.add_get("/health", healthy)
-    return app
-
-
 async def test_prompt_counts_teach_tokens_per_character_without_cache_reports() -> None:
     async with AsyncExitStack() as stack:
-        url = await stack.enter_async_context(serve_app(prompt_count_only_app()))
+        url = await stack.enter_async_context(serve_app(usage_reporting_app(natural_length=1, report_cached=False)))
         settings = make_settings([{"url": url, "name": "r0", "model": MODEL}], policy={"name": "predictive"})
         running = await stack.enter_async_context(run_balancer(settings))
         tracker = running.balancer.tracker

@@ -7,43 +7,12 @@ import asyncio
 from contextlib import AsyncExitStack
 
 import aiohttp
-import orjson
-from aiohttp import web
 
 from tests.conftest import make_settings, run_balancer, serve_app
-from tests.upstreams import healthy
+from tests.upstreams import usage_reporting_app
 
 MODEL = "m"
 NATURAL_LENGTH = 20  # what this model writes when nothing stops it
-
-
-def engine_app(token_gap_s: float = 0.0) -> web.Application:
-    """Answers with NATURAL_LENGTH tokens, or fewer when max_tokens says so; streams them
-    `token_gap_s` apart."""
-
-    async def complete(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        bound = body.get("max_tokens")
-        out = NATURAL_LENGTH if bound is None else min(bound, NATURAL_LENGTH)
-        usage = {"prompt_tokens": len(body["prompt"].split()), "completion_tokens": out,
-                 "prompt_tokens_details": {"cached_tokens": 0}}
-        if not body.get("stream"):
-            return web.json_response({"choices": [{"text": "x " * out}], "usage": usage})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for _ in range(out):
-            await resp.write(b'data: {"choices": [{"text": "x "}]}\n\n')
-            if token_gap_s:
-                await asyncio.sleep(token_gap_s)
-        if (body.get("stream_options") or {}).get("include_usage"):
-            await resp.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", complete)
-    app.router.add_get("/health", healthy)
-    return app
 
 
 def expected_output(headers: dict) -> float:
@@ -53,7 +22,7 @@ def expected_output(headers: dict) -> float:
 
 async def test_expected_output_is_learned_from_answers_that_ended_on_their_own() -> None:
     async with AsyncExitStack() as stack:
-        url = await stack.enter_async_context(serve_app(engine_app()))
+        url = await stack.enter_async_context(serve_app(usage_reporting_app(natural_length=NATURAL_LENGTH)))
         settings = make_settings([{"url": url, "name": "r0", "model": MODEL}],
                                  policy={"name": "predictive"}, routing={"route_header": True})
         running = await stack.enter_async_context(run_balancer(settings))
@@ -85,8 +54,10 @@ def gauge(metrics: str, name: str, replica: str) -> float:
 async def test_a_replica_that_decodes_slower_is_fitted_and_loses_long_answers() -> None:
     async with AsyncExitStack() as stack:
         # The profile predicts about 8.4 ms per token on an idle replica.
-        fast = await stack.enter_async_context(serve_app(engine_app(token_gap_s=0.008)))
-        slow = await stack.enter_async_context(serve_app(engine_app(token_gap_s=0.04)))
+        fast = await stack.enter_async_context(
+            serve_app(usage_reporting_app(natural_length=NATURAL_LENGTH, token_gap_s=0.008)))
+        slow = await stack.enter_async_context(
+            serve_app(usage_reporting_app(natural_length=NATURAL_LENGTH, token_gap_s=0.04)))
         settings = make_settings([{"url": fast, "name": "fast", "model": MODEL},
                                   {"url": slow, "name": "slow", "model": MODEL}],
                                  policy={"name": "predictive", "seed": 3})
