@@ -145,8 +145,10 @@ class PrefixHasher:
         alike, so keep this equal to `block_tokens` (the defaults are: 64 × 0.25 = 16)."""
         return self.block_chars * self.tokens_per_char
 
-    def estimate_tokens(self, text: str) -> int:
-        return int(len(text) * self.tokens_per_char + 0.5)
+    def estimate_tokens(self, text: str, tokens_per_char: float | None = None) -> int:
+        """`text`'s length in tokens at `tokens_per_char` (default: the configured ratio)."""
+        per_char = self.tokens_per_char if tokens_per_char is None else tokens_per_char
+        return int(len(text) * per_char + 0.5)
 
     def lazy(self, prompt: str | Sequence[int]) -> BlockHashes:
         """The prompt's block hashes, computed as they are read. The index's `match` reads

@@ -75,7 +75,7 @@ class CacheTracker:
         if isinstance(prompt, str):
             per_char = self.ratio.of(model)
             chars = len(prompt)
-            prompt_tokens = int(chars * per_char + 0.5)
+            prompt_tokens = hasher.estimate_tokens(prompt, per_char)
             per_block = hasher.block_chars * per_char
         else:
             chars = 0
