@@ -262,6 +262,11 @@ class KvEventIndex:
         self.stats.batches += 1
         self.stats.last_lag_s = max(now - timestamp, 0.0)
 
+    def last_sequence(self, replica: str) -> int | None:
+        """The number of the replica's last message applied; None before the first."""
+        blocks = self._replicas.get(replica)
+        return None if blocks is None else blocks.last_seq
+
     def restart_sequence(self, replica: str) -> None:
         """The next message starts a new sequence (a new connection)."""
         self._blocks(replica).last_seq = None
