@@ -21,7 +21,7 @@ from balancer.routing.precise import PreciseTracker, PromptTokens, load_prompt_t
 from balancer.routing.tokenizer import TokenizerError
 from balancer.routing.tracker import CacheTracker
 from balancer.serving.admission import Admission
-from balancer.serving.auth import Authenticator, load_keys, replica_key
+from balancer.serving.auth import authenticator, replica_key
 from balancer.serving.journey import Forwarder
 from balancer.serving.metrics import Metrics
 from balancer.serving.proxy import Proxy
@@ -65,9 +65,7 @@ class Balancer:
         elif self.tracker is not None:
             self.metrics.index = self.tracker.index
             self.metrics.token_ratio = self.tracker.ratio
-        self.auth = Authenticator(
-            load_keys(settings.auth), settings.auth.rate_limit_per_s, settings.auth.rate_limit_burst
-        )
+        self.auth = authenticator(settings.auth)
         self.admission = Admission(self.core.admission, settings.limits.queue_timeout_s)
         self.pool = UpstreamPool(connect_timeout_s=settings.timeouts.connect_s)
         self.sync: StateSync | None = None
@@ -91,8 +89,10 @@ class Balancer:
         ids = RequestIds()
         self.forwarder = Forwarder(
             settings, self.core, self.admission, self.proxy, self.metrics, ids, self.prompt_tokens,
-            lambda: self.session,
+            lambda: self.session, self.auth.tenant_of,
         )
+        if self.forwarder.flow is not None:
+            self.metrics.registry.register(self.forwarder.flow.metrics)
         self.routes = Routes(
             settings, self.fleet, self.auth, self.metrics, self.forwarder, ids,
             self.admin.handle if self.admin.enabled else None,
@@ -180,6 +180,10 @@ class Balancer:
         self.admission.queue.max_in_flight = limits.max_in_flight
         self.admission.queue.max_queued = limits.max_queued
         self.admission.queue_timeout_s = limits.queue_timeout_s
+        flow = self.core.flow
+        if flow is not None:
+            flow.max_in_flight, flow.queue_timeout_s = limits.max_in_flight, limits.queue_timeout_s
+            flow.max_queued = limits.max_queued
         if self._health is not None:
             self._health.settings = settings.health
         if self._discovery is not None:

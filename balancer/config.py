@@ -258,6 +258,38 @@ class RoutingSettings:
     forget_unhealthy_after_s: float = _checked(30.0, _positive)
 
 
+# A tenant's or class's name goes into metric labels and the access log: visible ASCII.
+_label_name = _rule(
+    re.compile(r"[\x21-\x7e]{1,100}").fullmatch,
+    "must be 1 to 100 visible ASCII characters (no spaces), got {!r}",
+)
+_share = _rule(lambda v: 0 <= v < 1, "must be in [0, 1), got {!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSettings:
+    """A tenant: its API keys, its class (`priority`) and its share when the fleet is saturated."""
+
+    name: str = _checked(check=_label_name)
+    api_keys: tuple[str, ...] = ()
+    api_keys_env: str | None = _checked(None, _non_empty)  # variable holding comma-separated keys
+    priority: str | None = _checked(None, _label_name)  # a flow_control class; default: default_class
+    weight: float = _checked(1.0, _positive)  # its share of tokens against other tenants of its class
+    max_queued: int | None = _checked(None, _at_least(0))  # its requests waiting at once
+
+
+def _uniquely_named(items: tuple[Any, ...]) -> tuple[Any, ...]:
+    seen: dict[str, int] = {}
+    problems = []
+    for i, item in enumerate(items):
+        if item.name in seen:
+            problems.append(f"[{i}].name: duplicate name {item.name!r} (as [{seen[item.name]}])")
+        seen.setdefault(item.name, i)
+    if problems:
+        raise ConfigError(problems)
+    return items
+
+
 @dataclass(frozen=True, slots=True)
 class AuthSettings:
     """Client API keys. With none configured, kvlb is open (as a bare engine would be)."""
@@ -268,6 +300,8 @@ class AuthSettings:
     replica_api_key_env: str | None = _checked(None, _non_empty)  # replaces the client's key toward replicas
     rate_limit_per_s: float | None = _checked(None, _positive)  # requests per second per key (token bucket)
     rate_limit_burst: int | None = _checked(None, _at_least(1))  # bucket size; default: one second's worth
+    # Keys grouped by tenant, each with its flow-control class, weight and limits.
+    tenants: tuple[TenantSettings, ...] = _checked((), check=_uniquely_named)
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,6 +395,42 @@ def _known_policy(policy: PolicySettings) -> PolicySettings:
     return policy
 
 
+@dataclass(frozen=True, slots=True)
+class FlowClassSettings:
+    name: str = _checked(check=_label_name)
+    ttft_slo_ms: float | None = _checked(None, _positive)  # its time-to-first-token target
+    sheddable: bool = False  # refused or pushed out first when the queue is full
+    # Of the places that free while it waits, the share it gets even when higher classes
+    # wait too: lower classes then never starve.
+    reserved_share: float = _checked(0.0, _share)
+    max_queued: int | None = _checked(None, _at_least(0))  # default: limits.max_queued
+
+
+@dataclass(frozen=True, slots=True)
+class FlowControlSettings:
+    """Who waits, in which order, and who is refused once the fleet is saturated
+    (balancer/routing/flow.py). Off: one first-come-first-served line (`limits`)."""
+
+    enabled: bool = False
+    # Behind an authenticating gateway: x-kvlb-tenant, x-kvlb-priority and
+    # x-kvlb-ttft-slo-ms say who a request is for and how urgent it is.
+    trust_headers: bool = False
+    classes: tuple[FlowClassSettings, ...] = _checked(
+        (FlowClassSettings(name="standard"),), check=_uniquely_named)  # highest priority first
+    default_class: str = _checked("standard", _label_name)
+    max_queued_per_tenant: int | None = _checked(None, _at_least(0))  # for tenants that set none
+    # Tenants named by headers get metric labels and fair-share state up to this many.
+    max_tenants: int = _checked(1024, _at_least(1))
+
+
+def _flow_classes_known(flow: FlowControlSettings) -> FlowControlSettings:
+    if not flow.classes:
+        raise ConfigError([".classes: at least one class is required"])
+    if flow.default_class not in {c.name for c in flow.classes}:
+        raise ConfigError([f".default_class: {flow.default_class!r} is not one of the classes"])
+    return flow
+
+
 def _first_byte_within_total(timeouts: Timeouts) -> Timeouts:
     if timeouts.first_byte_s > timeouts.total_s:
         raise ConfigError([f".first_byte_s: must be <= total_s ({timeouts.total_s!r})"])
@@ -385,6 +455,7 @@ class Settings:
     logging: LoggingSettings = _section(LoggingSettings)
     sync: SyncSettings = _section(SyncSettings)
     kv_events: KvEventsSettings = _section(KvEventsSettings)
+    flow_control: FlowControlSettings = _section(FlowControlSettings, _flow_classes_known)
 
 
 # --- validation engine ------------------------------------------------------------------------
@@ -505,6 +576,10 @@ def parse_settings(data: Any) -> Settings:
     settings = _build(Settings, data, "", problems)
     if not problems and not settings.replicas and not settings.replica_sets:
         problems.append("replicas: at least one replica is required")
+    if not problems:
+        classes = {c.name for c in settings.flow_control.classes}
+        problems += [f"auth.tenants[{i}].priority: {t.priority!r} is not one of flow_control.classes"
+                     for i, t in enumerate(settings.auth.tenants) if t.priority is not None and t.priority not in classes]
     if problems:
         raise ConfigError(problems)
     return settings

@@ -29,6 +29,7 @@ class ClientError(Exception):
         type_: str | None = None,
         param: str | None = None,
         retry_after: int | None = None,
+        headers: tuple[tuple[str, str], ...] = (),
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -37,11 +38,13 @@ class ClientError(Exception):
         self.type_ = type_ or error_type_for(status)
         self.param = param
         self.retry_after = retry_after
+        self.extra_headers = headers
 
     def headers(self) -> list[tuple[str, str]]:
         headers = list(JSON_HEADERS)
         if self.retry_after is not None:
             headers.append(("Retry-After", str(self.retry_after)))
+        headers.extend(self.extra_headers)
         return headers
 
     def body(self) -> bytes:

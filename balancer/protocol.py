@@ -14,12 +14,19 @@ SESSION_HEADER = "x-session-id"
 REQUEST_ID_HEADER = "x-request-id"
 REGION_HEADER = "x-kvlb-region"
 ALLOWED_REGIONS_HEADER = "x-kvlb-allowed-regions"
+# Flow control, read only where `flow_control.trust_headers` (behind an authenticating
+# gateway): who the request is for, its class, and its time-to-first-token target.
+TENANT_HEADER = "x-kvlb-tenant"
+PRIORITY_HEADER = "x-kvlb-priority"
+TTFT_SLO_HEADER = "x-kvlb-ttft-slo-ms"
 
 # -- answer headers --------------------------------------------------------------------------
 # The replica that served the answer (`headers.expose_replica`).
 REPLICA_HEADER = "x-kvlb-replica"
 # The routing decision and its terms (`routing.route_header`).
 ROUTE_HEADER = "x-kvlb-route"
+# Why flow control refused a request (also the OpenAI error's `code`).
+REJECT_REASON_HEADER = "x-kvlb-reject-reason"
 
 # -- metric names the test bed reads ---------------------------------------------------------
 METRIC_REQUESTS = "kvlb_requests"

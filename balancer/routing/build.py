@@ -14,6 +14,7 @@ from balancer.routing.admission import AdmissionQueue
 from balancer.routing.breaker import BreakerSettings
 from balancer.routing.core import CallAt, CoreSettings, RoutingCore
 from balancer.routing.fleet import Fleet
+from balancer.routing.flow import UNBOUNDED, FlowClass, FlowController, TenantPolicy
 from balancer.routing.precise import PreciseTracker
 from balancer.routing.tracker import CacheTracker
 from policies.base import Policy
@@ -59,4 +60,21 @@ def build_core(
     queue: AdmissionQueue[Any] = AdmissionQueue(limits.max_in_flight, limits.max_queued)
     routing = settings.routing
     core_settings = CoreSettings(settings.retries.max_attempts, routing.region, routing.forget_unhealthy_after_s)
-    return RoutingCore(fleet, policy, tracker, queue, core_settings, call_at)
+    return RoutingCore(fleet, policy, tracker, queue, core_settings, call_at, flow_controller(settings, fleet))
+
+
+def flow_controller(settings: Settings, fleet: Fleet) -> FlowController | None:
+    """`flow_control` as the core runs it; None when it is off."""
+    flow, limits = settings.flow_control, settings.limits
+    if not flow.enabled:
+        return None
+    classes = [FlowClass(c.name, None if c.ttft_slo_ms is None else c.ttft_slo_ms / 1000.0, c.sheddable,
+                         c.reserved_share, c.max_queued) for c in flow.classes]
+    tenants = {t.name: TenantPolicy(t.weight, t.max_queued if t.max_queued is not None else flow.max_queued_per_tenant,
+                                    t.priority)
+               for t in settings.auth.tenants}
+    return FlowController(
+        classes, flow.default_class, limits.max_in_flight, limits.max_queued, limits.queue_timeout_s,
+        lambda model, now: fleet.free_slots(model, now, UNBOUNDED), tenants, flow.max_tenants,
+        default_max_queued=flow.max_queued_per_tenant,
+    )

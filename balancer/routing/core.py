@@ -41,6 +41,7 @@ from typing import Any, cast
 from balancer.routing.admission import AdmissionQueue
 from balancer.routing.breaker import CLOSED
 from balancer.routing.fleet import Fleet, Replica
+from balancer.routing.flow import FlowController
 from balancer.routing.latency import LatencyFit
 from balancer.routing.output_length import OutputLengths
 from balancer.routing.tracker import CacheTracker, Lesson, Routed
@@ -48,6 +49,11 @@ from policies.base import MODEL_ITL_TERM, MODEL_TTFT_TERM, Choice, Policy, Reque
 
 # Phases of one attempt on one replica.
 IDLE, PREFILLING, DECODING = 0, 1, 2
+
+# Without a learned ratio: what a chat body's bytes hold in tokens, roughly, and an answer
+# with no max_tokens and no history, for flow control's token shares.
+DEFAULT_TOKENS_PER_BYTE = 0.25
+DEFAULT_OUTPUT_TOKENS = 256.0
 
 # call_at(when, callback): run callback(now) once the driver's clock reaches `when`.
 CallAt = Callable[[float, Callable[[float], None]], Any]
@@ -90,8 +96,11 @@ class RoutingCore:
         admission: AdmissionQueue[Any],
         settings: CoreSettings,
         call_at: CallAt,
+        flow: FlowController | None = None,
     ) -> None:
         self.fleet = fleet
+        # With flow control, it takes the admission line's place (routing/flow.py).
+        self.flow = flow
         self.policy = policy
         self.tracker = tracker
         self.admission = admission
@@ -135,6 +144,19 @@ class RoutingCore:
     def candidates(self, model: str | None, allowed_regions: frozenset[str] | None, now: float) -> list[Replica]:
         """The replicas that may take the request, or the ClientError saying why none."""
         return self.fleet.candidates(model, allowed_regions, now)
+
+    def flow_cost(self, features: RequestFeatures, body_bytes: int) -> float:
+        """A request's tokens for fair sharing before it is planned: its prompt estimated
+        from the body, plus the output expected of requests like it (at most `max_tokens`)."""
+        ratio = self.tracker.ratio.of(features.model) if self.tracker is not None else DEFAULT_TOKENS_PER_BYTE
+        prompt = body_bytes * ratio
+        expected = self.output_lengths.expect(features.model, features.route, int(prompt))
+        limit = features.max_tokens
+        if expected is None:
+            output = float(limit) if limit is not None else DEFAULT_OUTPUT_TOKENS
+        else:
+            output = min(expected, limit) if limit is not None else expected
+        return prompt + output
 
     def plan(
         self,

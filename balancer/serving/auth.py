@@ -35,6 +35,29 @@ def load_keys(settings: AuthSettings) -> tuple[bytes, ...]:
     return tuple(key.encode() for key in keys if key)
 
 
+def tenant_keys(settings: AuthSettings) -> list[tuple[bytes, str]]:
+    """Each tenant's keys, with the tenant they identify."""
+    out = []
+    for tenant in settings.tenants:
+        keys = list(tenant.api_keys)
+        if tenant.api_keys_env:
+            value = os.environ.get(tenant.api_keys_env)
+            if value is None:
+                raise ConfigError([f"auth.tenants: {tenant.name}: environment variable {tenant.api_keys_env} is not set"])
+            keys += [part.strip() for part in value.split(",")]
+        out += [(key.encode(), tenant.name) for key in keys if key]
+    return out
+
+
+def authenticator(settings: AuthSettings) -> Authenticator:
+    """The keys of `settings`, loose and grouped by tenant, with their rate limit."""
+    loose = load_keys(settings)
+    grouped = tenant_keys(settings)
+    tenants = {f"key-{len(loose) + i}": tenant for i, (_, tenant) in enumerate(grouped)}
+    return Authenticator(loose + tuple(key for key, _ in grouped), settings.rate_limit_per_s,
+                         settings.rate_limit_burst, tenants)
+
+
 def replica_key(settings: AuthSettings) -> str | None:
     if not settings.replica_api_key_env:
         return None
@@ -64,8 +87,11 @@ class TokenBucket:
 
 
 class Authenticator:
-    def __init__(self, keys: tuple[bytes, ...], rate_per_s: float | None = None, burst: int | None = None) -> None:
+    def __init__(self, keys: tuple[bytes, ...], rate_per_s: float | None = None, burst: int | None = None,
+                 tenants: dict[str, str] | None = None) -> None:
         self.keys = keys
+        # A key's identity → its tenant, for keys configured under a tenant.
+        self.tenants = tenants or {}
         self.rate_per_s = rate_per_s
         self.burst = burst if burst is not None else max(1.0, rate_per_s or 1.0)
         # One bucket per configured key: bounded by the configuration, not by traffic.
@@ -74,6 +100,9 @@ class Authenticator:
     @property
     def enabled(self) -> bool:
         return bool(self.keys)
+
+    def tenant_of(self, identity: str | None) -> str | None:
+        return self.tenants.get(identity) if identity is not None else None
 
     def check(self, authorization: str | None, now: float) -> str | None:
         """The client's identity (which key, never the key itself), or None when kvlb is

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import re
 import time
 from collections.abc import Callable, Sequence
 
@@ -12,19 +14,27 @@ import aiohttp
 
 from balancer.config import Settings
 from balancer.errors import ClientError
-from balancer.protocol import ROUTE_HEADER, SESSION_HEADER
+from balancer.protocol import (
+    PRIORITY_HEADER,
+    ROUTE_HEADER,
+    SESSION_HEADER,
+    TENANT_HEADER,
+    TTFT_SLO_HEADER,
+)
 from balancer.routing.core import RoutingCore
 from balancer.routing.fleet import FULL, Replica
+from balancer.routing.flow import Ticket
 from balancer.routing.precise import PromptTokens, RemotePrompt
 from balancer.routing.request import parse_request
 from balancer.serving.access_log import access_log, log_access
 from balancer.serving.admission import Admission
+from balancer.serving.flow import FlowGate
 from balancer.serving.metrics import NO_REPLICA, Metrics
 from balancer.serving.proxy import Outcome, Proxy, end_broken_response
 from balancer.serving.request_ids import RequestIds
 from balancer.serving.tokenize import tokenize_remotely
 from balancer.wire.server import Request
-from policies.base import Choice
+from policies.base import Choice, RequestFeatures
 
 log = logging.getLogger("kvlb.server")
 
@@ -40,8 +50,11 @@ class Forwarder:
         ids: RequestIds,
         prompt_tokens: PromptTokens | None,
         session: Callable[[], aiohttp.ClientSession | None],
+        tenant_of: Callable[[str | None], str | None] = lambda identity: None,
     ) -> None:
         self.core = core
+        self.flow = FlowGate(core.flow) if core.flow is not None else None
+        self.tenant_of = tenant_of  # an API key's identity → its tenant
         self.fleet = core.fleet
         self.admission = admission
         self.proxy = proxy
@@ -66,11 +79,24 @@ class Forwarder:
         request_id = self.ids.of(request, self.id_header)
         outcome = Outcome()
         admitted = False
+        ticket: Ticket | None = None
         try:
             async with asyncio.timeout(self.settings.timeouts.total_s):
-                await self.admission.acquire()
-                admitted = True
-                await self._forward(request, route, request_id, outcome)
+                parse_began = time.perf_counter()
+                prompt_tokens = self.prompt_tokens
+                features = parse_request(
+                    route, request.body, request.header(SESSION_HEADER), with_prompt=self.core.policy.needs_prompt,
+                    prompt_of=prompt_tokens.prompt_of if prompt_tokens is not None else None,
+                )
+                parse_s = time.perf_counter() - parse_began
+                outcome.model = features.model or ""
+                if self.flow is not None:
+                    ticket = self._ticket(request, features, started)
+                    await self.flow.enter(ticket)
+                else:
+                    await self.admission.acquire()
+                    admitted = True
+                await self._forward(request, route, request_id, outcome, features, parse_s, ticket)
         except ClientError as exc:
             self._refuse(request, exc, request_id, outcome)
         except TimeoutError:
@@ -97,23 +123,60 @@ class Forwarder:
                 self.admission.release()
             elapsed = loop.time() - started
             ttft = None if outcome.first_byte_at is None else outcome.first_byte_at - started
+            if ticket is not None:
+                assert self.flow is not None
+                self.flow.done(ticket)
+                if ttft is not None and outcome.answered:
+                    self.flow.flow.first_byte(ticket, ttft - ticket.queued_s)
+                self.flow.metrics.observe(ticket, outcome.status, outcome.error, ttft)
             # A model no replica lists is the client's free text: kept out of the labels.
             model = self.fleet.model_label(outcome.model, loop.time())
             failover = outcome.answered and len(outcome.attempts) > 1
             self.metrics.observe_request(route, outcome.replica, outcome.status, elapsed, model, ttft, failover)
             if self.access_log and access_log.isEnabledFor(logging.INFO):
-                log_access(request, route, request_id, outcome, elapsed, ttft)
+                log_access(request, route, request_id, outcome, elapsed, ttft, ticket)
 
-    async def _candidates(self, model: str | None, allowed: frozenset[str] | None) -> list[Replica]:
+    def _ticket(self, request: Request, features: RequestFeatures, now: float) -> Ticket:
+        """Who the request is for and how urgent it is: its key's tenant, or, behind a
+        trusted gateway, the flow-control headers."""
+        flow = self.core.flow
+        assert flow is not None
+        tenant = self.tenant_of(request.client)
+        klass = slo_s = None
+        if self.settings.flow_control.trust_headers:
+            named = request.header(TENANT_HEADER)
+            if named is not None:
+                if not TENANT_NAME.fullmatch(named):
+                    raise ClientError(400, f"{TENANT_HEADER} must be 1 to 100 visible ASCII characters",
+                                      "invalid_tenant", param=TENANT_HEADER)
+                tenant = named
+            klass = request.header(PRIORITY_HEADER)
+            if klass is not None and klass not in flow.by_name:
+                raise ClientError(400, f"{PRIORITY_HEADER}: unknown class {klass[:100]!r}; one of "
+                                  + ", ".join(flow.by_name), "invalid_priority", param=PRIORITY_HEADER)
+            target = request.header(TTFT_SLO_HEADER)
+            if target is not None:
+                slo_s = slo_seconds(target)
+        return flow.ticket(tenant, klass, features.model, self.core.flow_cost(features, len(request.body)), slo_s, now)
+
+    async def _candidates(self, model: str | None, allowed: frozenset[str] | None,
+                          ticket: Ticket | None) -> list[Replica]:
         """The replicas that may take the request now; when every one is at its
-        max_concurrency, wait (up to limits.queue_timeout_s) for one to free a slot."""
+        max_concurrency, wait for one to free a slot: in flow control's queue, keeping its
+        turn, or else up to limits.queue_timeout_s."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.limits.queue_timeout_s
         while True:
             try:
                 return self.core.candidates(model, allowed, loop.time())
             except ClientError as exc:
-                if exc.code != FULL or loop.time() >= deadline:
+                if exc.code != FULL:
+                    raise
+                if ticket is not None:
+                    assert self.flow is not None
+                    await self.flow.saturated(ticket)
+                    continue
+                if loop.time() >= deadline:
                     raise
             try:
                 await self.fleet.wait_for_room(deadline - loop.time())
@@ -129,19 +192,12 @@ class Forwarder:
         headers.append((self.id_header, request_id))
         request.respond(exc.status, headers, exc.body())
 
-    async def _forward(self, request: Request, route: str, request_id: str, outcome: Outcome) -> None:
+    async def _forward(self, request: Request, route: str, request_id: str, outcome: Outcome,
+                       features: RequestFeatures, parse_s: float, ticket: Ticket | None) -> None:
         clock = time.perf_counter
-        parse_began = clock()
-        prompt_tokens = self.prompt_tokens
-        features = parse_request(
-            route, request.body, request.header(SESSION_HEADER), with_prompt=self.core.policy.needs_prompt,
-            prompt_of=prompt_tokens.prompt_of if prompt_tokens is not None else None,
-        )
-        parse_s = clock() - parse_began
-        outcome.model = features.model or ""
         allowed = request.header(self._allowed_header)
         candidates = await self._candidates(
-            features.model, allowed_regions(allowed) if allowed is not None else None
+            features.model, allowed_regions(allowed) if allowed is not None else None, ticket
         )
         prompt = features.prompt
         if isinstance(prompt, RemotePrompt):
@@ -160,7 +216,24 @@ class Forwarder:
         if explained is not None:
             log.debug("request %s %s model %s: %s", request_id, route, features.model, explained)
         extra = [(ROUTE_HEADER, explained)] if self._route_header and explained else None
+        if ticket is not None:
+            assert self.core.flow is not None
+            self.core.flow.placed(ticket)  # its first attempt takes the slot it was given
         await self.proxy.forward(request, journey, request_id, outcome, extra)
+
+
+TENANT_NAME = re.compile(r"[\x21-\x7e]{1,100}")
+
+
+def slo_seconds(header: str) -> float:
+    try:
+        ms = float(header)
+    except ValueError:
+        ms = math.nan
+    if not (0 < ms <= 3_600_000):
+        raise ClientError(400, f"{TTFT_SLO_HEADER} must be a number of milliseconds in (0, 3600000]",
+                          "invalid_ttft_slo", param=TTFT_SLO_HEADER)
+    return ms / 1000.0
 
 
 def allowed_regions(header: str) -> frozenset[str]:

@@ -1,0 +1,476 @@
+"""Flow control: once the fleet is saturated, who waits, in which order, and who is told no.
+
+Below saturation a request passes straight through: `arrive` answers GO after two integer
+comparisons, and nothing else here runs. The fleet is saturated when `max_in_flight`
+requests are admitted, or when no candidate replica has room (every one at its
+`max_concurrency`): the driver then hands the request back with `saturated`, and it waits
+here until a place frees.
+
+While requests wait:
+
+- **Classes** are served in strict priority, highest first. A class may reserve a share of
+  the places that free (`reserved_share`), so a lower class keeps moving under a flood.
+- **Tenants** within a class share by tokens, not requests: each tenant's attained service
+  (prompt plus expected output, over its weight) is counted as it is dispatched, and the
+  backlogged tenant with the least goes next. A tenant that was idle re-enters at the least
+  attained service of those waiting, so idleness banks no credit.
+- **Bounds**: all queues together (`limits.max_queued`), each class and each tenant. A full
+  queue first pushes out what matters least: a queued request of a lower class (sheddable
+  classes first), else the newest request of the tenant holding the largest share of the
+  class's queue, so a flooding tenant fills only its own part.
+- **Targets**: a request with a TTFT target is refused at once when the predicted wait (the
+  requests that go before it, over the rate places have been freeing) plus the time to first
+  token measured after dispatch already exceeds it; once queued it waits no longer than its
+  target allows. A client that backs off on 429 can fail over within milliseconds.
+
+The controller decides and never waits, and reads no clock: the driver (the proxy with
+futures and the loop's timers, the simulator with virtual-time events) passes `now`, keeps
+each ticket's waiter, sets a timer for `ticket.deadline`, and wakes the tickets that
+`done`, `pump` and `arrive` hand back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from balancer.errors import ClientError
+from balancer.protocol import REJECT_REASON_HEADER
+
+GO, WAIT = "go", "wait"
+# Why a request was refused: the `x-kvlb-reject-reason` header and the error's `code`.
+QUEUE_FULL = "queue_full"
+TENANT_QUEUE_FULL = "tenant_queue_full"
+DISPLACED = "displaced"
+TTFT_SLO = "ttft_slo_unattainable"
+QUEUE_TIMEOUT = "queue_timeout"
+REASONS = (QUEUE_FULL, TENANT_QUEUE_FULL, DISPLACED, TTFT_SLO, QUEUE_TIMEOUT)
+
+# Ticket states.
+NEW, RUNNING, QUEUED, ENDED = 0, 1, 2, 3
+
+DEFAULT_TENANT = "default"
+OTHER_TENANT = "other"  # the label of tenants beyond `max_tenants`
+# Free places an unbounded replica counts for: more than any queue could ask for at once.
+UNBOUNDED = 1 << 30
+# Completions remembered for the rate at which places free: enough for a steady figure,
+# few enough to follow a change in the fleet within seconds.
+RATE_WINDOW = 64
+TTFT_EWMA = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class FlowClass:
+    name: str
+    ttft_slo_s: float | None = None
+    sheddable: bool = False
+    reserved_share: float = 0.0  # of the places that free while this class waits
+    max_queued: int | None = None  # default: limits.max_queued
+
+
+@dataclass(frozen=True, slots=True)
+class TenantPolicy:
+    weight: float = 1.0
+    max_queued: int | None = None
+    priority: str | None = None  # its class when the request names none
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One request's place in flow control. The driver keeps its own waiter in `waiter`."""
+
+    tenant: str
+    klass: str
+    model: str | None
+    cost: float  # tokens: prompt plus expected output
+    ttft_slo_s: float | None
+    arrived: float
+    label: str = DEFAULT_TENANT  # the tenant as a metric label (bounded)
+    state: int = NEW
+    seq: int = 0
+    deadline: float = math.inf  # while queued: when the driver must call `expire`
+    queued_s: float = 0.0  # time spent waiting, all spells together
+    queued_at: float = 0.0
+    reserved: bool = False  # dispatched, and not yet placed on a replica
+    waiter: Any = None
+    refusal: ClientError | None = None  # set when displaced: the driver answers with it
+
+
+@dataclass(slots=True)
+class _Tenant:
+    weight: float
+    max_queued: int | None
+    attained: float = 0.0  # tokens dispatched over weight
+    queue: deque[Ticket] = field(default_factory=deque)
+
+
+@dataclass(slots=True)
+class _Class:
+    spec: FlowClass
+    rank: int
+    max_queued: int
+    tenants: OrderedDict[str, _Tenant] = field(default_factory=OrderedDict)
+    queued: int = 0
+    credit: float = 0.0
+
+
+class FlowController:
+    def __init__(
+        self,
+        classes: Iterable[FlowClass],
+        default_class: str,
+        max_in_flight: int,
+        max_queued: int,
+        queue_timeout_s: float,
+        free_slots: Callable[[str | None, float], int],
+        tenants: Mapping[str, TenantPolicy] | None = None,
+        max_tenants: int = 1024,
+        default_max_queued: int | None = None,
+    ) -> None:
+        self.classes = [_Class(spec, rank, spec.max_queued if spec.max_queued is not None else max_queued)
+                        for rank, spec in enumerate(classes)]
+        self.by_name = {c.spec.name: c for c in self.classes}
+        if default_class not in self.by_name:
+            raise ValueError(f"default class {default_class!r} is not among the classes")
+        self.default_class = default_class
+        self.max_in_flight = max_in_flight
+        self.max_queued = max_queued
+        self.queue_timeout_s = queue_timeout_s
+        self._free_slots = free_slots
+        self.tenants = dict(tenants or {})
+        self.default_tenant = TenantPolicy(max_queued=default_max_queued)
+        self.max_tenants = max_tenants
+        self.in_flight = 0
+        self.queued = 0
+        self._seq = 0
+        self._reserved: dict[str | None, int] = {}
+        self._labels: OrderedDict[str, None] = OrderedDict()
+        self._completions: deque[float] = deque(maxlen=RATE_WINDOW)
+        self.ttft_estimate_s = 0.0  # after dispatch, learned from answers (`first_byte`)
+
+    # -- who the request is --------------------------------------------------------------
+
+    def ticket(self, tenant: str | None, klass: str | None, model: str | None, cost: float,
+               ttft_slo_s: float | None, now: float) -> Ticket:
+        """A ticket for a request; an unknown class falls to the tenant's or the default."""
+        tenant = tenant or DEFAULT_TENANT
+        policy = self.tenants.get(tenant)
+        if klass not in self.by_name:
+            klass = policy.priority if policy is not None and policy.priority else self.default_class
+        if ttft_slo_s is None:
+            ttft_slo_s = self.by_name[klass].spec.ttft_slo_s
+        return Ticket(tenant, klass, model, max(cost, 1.0), ttft_slo_s, now, self._label(tenant))
+
+    def _label(self, tenant: str) -> str:
+        """Configured tenants are labels; tenants named by headers are, up to `max_tenants`."""
+        if tenant in self.tenants or tenant == DEFAULT_TENANT:
+            return tenant
+        labels = self._labels
+        if tenant in labels:
+            return tenant
+        if len(labels) >= self.max_tenants:
+            return OTHER_TENANT
+        labels[tenant] = None
+        return tenant
+
+    # -- the driver's steps ----------------------------------------------------------------
+
+    def arrive(self, ticket: Ticket, now: float) -> tuple[str, list[Ticket], list[Ticket]]:
+        """GO: admitted now. WAIT: queued; the driver waits for the ticket to come back from
+        `done`/`pump`, or until `ticket.deadline`. Raises the refusal (429, with a reason).
+        Also returns the tickets to wake (this one among them when it can go at once after
+        all) and those displaced to make room: the driver answers each with its `refusal`."""
+        ticket.seq = self._seq = self._seq + 1
+        if self.queued == 0 and self.in_flight < self.max_in_flight:
+            self.in_flight += 1
+            ticket.state = RUNNING
+            return GO, [], []
+        displaced = self._enqueue(ticket, now, front=False)
+        return WAIT, self.pump(now), displaced
+
+    def saturated(self, ticket: Ticket, now: float) -> tuple[list[Ticket], list[Ticket]]:
+        """An admitted ticket found no replica with room: it gives its place back and waits,
+        keeping its turn. Returns (tickets to wake, tickets displaced); raises its refusal
+        when it cannot wait."""
+        assert ticket.state == RUNNING
+        self._unreserve(ticket)
+        self.in_flight -= 1
+        ticket.state = NEW
+        displaced = self._enqueue(ticket, now, front=True)
+        # Its place may go to a request for another model that has room.
+        return self.pump(now), displaced
+
+    def placed(self, ticket: Ticket) -> None:
+        """The dispatched ticket's request holds a replica slot now: its reservation ends."""
+        self._unreserve(ticket)
+
+    def first_byte(self, ticket: Ticket, ttft_s: float) -> None:
+        """The time to first token of a request that waited: what a waiter will add."""
+        if ticket.queued_s > 0:
+            estimate = self.ttft_estimate_s
+            self.ttft_estimate_s = ttft_s if estimate == 0 else estimate + TTFT_EWMA * (ttft_s - estimate)
+
+    def done(self, ticket: Ticket, now: float) -> list[Ticket]:
+        """The request is over, however it ended. Returns the tickets to wake."""
+        if ticket.state == RUNNING:
+            self._unreserve(ticket)
+            self.in_flight -= 1
+            self._completions.append(now)
+        elif ticket.state == QUEUED:
+            self._remove(ticket, now)
+        ticket.state = ENDED
+        return self.pump(now) if self.queued else []
+
+    def withdraw(self, ticket: Ticket, now: float) -> list[Ticket]:
+        """The client left: same as `done`."""
+        return self.done(ticket, now)
+
+    def expire(self, ticket: Ticket, now: float) -> ClientError | None:
+        """The ticket's deadline passed: its refusal, if it was still waiting."""
+        if ticket.state != QUEUED:
+            return None
+        self._remove(ticket, now)
+        ticket.state = ENDED
+        if ticket.ttft_slo_s is not None and ticket.deadline < ticket.arrived + self.queue_timeout_s:
+            return refusal(TTFT_SLO, f"its time-to-first-token target ({ticket.ttft_slo_s * 1000:g} ms) "
+                                     "can no longer be met", self._retry_after(0.0))
+        return refusal(QUEUE_TIMEOUT, f"no capacity within limits.queue_timeout_s ({self.queue_timeout_s} s)",
+                       self._retry_after(0.0))
+
+    def pump(self, now: float) -> list[Ticket]:
+        """Dispatch waiting tickets into free places, in order. Returns them (RUNNING, each
+        holding a reservation until `placed` or `done`)."""
+        woken: list[Ticket] = []
+        full: set[str | None] = set()
+        while self.queued and self.in_flight < self.max_in_flight:
+            ticket = self._next(full)
+            if ticket is None:
+                break
+            model = ticket.model
+            if self._free_slots(model, now) - self._reserved.get(model, 0) <= 0:
+                full.add(model)
+                continue
+            self._dispatch(ticket, now)
+            woken.append(ticket)
+        return woken
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def queued_in(self, klass: str) -> int:
+        return self.by_name[klass].queued
+
+    def predicted_wait_s(self, ticket: Ticket) -> float:
+        """How long `ticket` would wait if queued now: the requests that go before it over
+        the rate at which places have been freeing."""
+        rate = self._rate()
+        if rate <= 0:  # nothing has finished yet: no grounds to refuse, the deadline still holds
+            return 0.0
+        return self._ahead(ticket) / rate
+
+    def _rate(self) -> float:
+        times = self._completions
+        if len(times) < 2 or times[-1] <= times[0]:
+            return 0.0
+        return (len(times) - 1) / (times[-1] - times[0])
+
+    def _ahead(self, ticket: Ticket) -> float:
+        own = self.by_name[ticket.klass]
+        ahead = float(sum(c.queued for c in self.classes if c.rank < own.rank))
+        tenant = own.tenants.get(ticket.tenant)
+        mine = len(tenant.queue) if tenant is not None else 0
+        weight = tenant.weight if tenant is not None else self._policy(ticket.tenant).weight
+        # Fair sharing: each other backlogged tenant sends about as many (by weight) as this
+        # one before it, and never more than it has queued.
+        for name, other in own.tenants.items():
+            if name != ticket.tenant and other.queue:
+                ahead += min(len(other.queue), (mine + 1) * other.weight / weight)
+        return ahead + mine + 1
+
+    def _retry_after(self, wait_s: float) -> int:
+        return max(1, math.ceil(min(wait_s, self.queue_timeout_s)))
+
+    # -- inside ---------------------------------------------------------------------------
+
+    def _policy(self, tenant: str) -> TenantPolicy:
+        return self.tenants.get(tenant) or self.default_tenant
+
+    def _enqueue(self, ticket: Ticket, now: float, front: bool) -> list[Ticket]:
+        klass = self.by_name[ticket.klass]
+        slo = ticket.ttft_slo_s
+        if slo is not None:
+            waited = now - ticket.arrived
+            wait = self.predicted_wait_s(ticket)
+            if waited + wait + self.ttft_estimate_s > slo:
+                raise refusal(TTFT_SLO, f"the predicted time to first token ({(waited + wait + self.ttft_estimate_s) * 1000:.0f} ms) "
+                                        f"exceeds its target ({slo * 1000:g} ms)", self._retry_after(wait))
+        tenant = klass.tenants.get(ticket.tenant)
+        if tenant is None:
+            policy = self._policy(ticket.tenant)
+            tenant = _Tenant(policy.weight, policy.max_queued)
+            # Idleness banks no credit: it joins at the least attained service of those waiting.
+            tenant.attained = min((t.attained for t in klass.tenants.values() if t.queue), default=0.0)
+            klass.tenants[ticket.tenant] = tenant
+            self._trim_idle(klass)
+        elif not tenant.queue:
+            tenant.attained = max(tenant.attained,
+                                  min((t.attained for t in klass.tenants.values() if t.queue), default=0.0))
+        if tenant.max_queued is not None and len(tenant.queue) >= tenant.max_queued:
+            raise refusal(TENANT_QUEUE_FULL, "this tenant's queue is full", self._retry_after(self.predicted_wait_s(ticket)))
+        displaced = []
+        if self.queued >= self.max_queued or klass.queued >= klass.max_queued:
+            victim = self._victim(klass, ticket.tenant, class_full=klass.queued >= klass.max_queued)
+            if victim is None:
+                raise refusal(QUEUE_FULL, "the queue for its class is full", self._retry_after(self.predicted_wait_s(ticket)))
+            self._remove(victim, now)
+            victim.state = ENDED
+            victim.refusal = refusal(DISPLACED, "a request of higher priority or a smaller share took its place",
+                                     self._retry_after(self.predicted_wait_s(victim)))
+            displaced.append(victim)
+        if front:
+            tenant.queue.appendleft(ticket)
+        else:
+            tenant.queue.append(ticket)
+        klass.tenants.move_to_end(ticket.tenant)
+        klass.queued += 1
+        self.queued += 1
+        ticket.state = QUEUED
+        ticket.queued_at = now
+        limit = ticket.arrived + self.queue_timeout_s
+        if slo is not None:
+            # Waiting past this cannot meet the target: better an early no.
+            limit = min(limit, ticket.arrived + max(slo - self.ttft_estimate_s, 0.0))
+        ticket.deadline = limit
+        return displaced
+
+    def _victim(self, klass: _Class, tenant: str, class_full: bool) -> Ticket | None:
+        """What a full queue gives up for a request of `klass` from `tenant`, if anything."""
+        if not class_full:
+            lower = [c for c in self.classes if c.rank > klass.rank and c.queued]
+            # Sheddable work goes first, the lowest class first.
+            lower.sort(key=lambda c: (not c.spec.sheddable, -c.rank))
+            for other in lower:
+                victim = self._newest_of_largest(other, None)
+                if victim is not None:
+                    return victim
+        return self._newest_of_largest(klass, tenant)
+
+    @staticmethod
+    def _newest_of_largest(klass: _Class, arriving: str | None) -> Ticket | None:
+        """The newest request of the tenant with the largest weighted share of `klass`'s
+        queue; within the arriving tenant's own class, only when that share is larger than
+        the arriving tenant's would be with this request."""
+        largest, share = None, -1.0
+        for tenant in klass.tenants.values():
+            if tenant.queue and len(tenant.queue) / tenant.weight > share:
+                largest, share = tenant, len(tenant.queue) / tenant.weight
+        if largest is None:
+            return None
+        if arriving is not None:
+            own = klass.tenants.get(arriving)
+            mine = ((len(own.queue) + 1) / own.weight) if own is not None else 1.0
+            if largest is own or share <= mine:
+                return None
+        return largest.queue[-1]
+
+    def _remove(self, ticket: Ticket, now: float) -> None:
+        klass = self.by_name[ticket.klass]
+        klass.tenants[ticket.tenant].queue.remove(ticket)
+        klass.queued -= 1
+        self.queued -= 1
+        ticket.queued_s += now - ticket.queued_at
+
+    def _next(self, full: set[str | None]) -> Ticket | None:
+        """The next ticket by class priority (with reserved shares), then least attained
+        service among the class's tenants; tickets whose model has no room are passed over."""
+        waiting = [c for c in self.classes if c.queued]
+        for klass in self.classes:
+            if not klass.queued:
+                klass.credit = 0.0
+        order = waiting
+        owed = [c for c in waiting[1:] if c.spec.reserved_share > 0]
+        if owed:
+            for c in owed:
+                c.credit += c.spec.reserved_share
+            due = max(owed, key=lambda c: c.credit)
+            if due.credit >= 1.0:
+                order = [due] + [c for c in waiting if c is not due]
+        for klass in order:
+            best, best_key = None, None
+            for tenant in klass.tenants.values():
+                head = _first_with_room(tenant.queue, full)
+                if head is None:
+                    continue
+                key = (tenant.attained, head.seq)
+                if best_key is None or key < best_key:
+                    best, best_key = head, key
+            if best is not None:
+                if klass is not waiting[0] and klass.credit >= 1.0:
+                    klass.credit -= 1.0
+                return best
+        return None
+
+    def _dispatch(self, ticket: Ticket, now: float) -> None:
+        klass = self.by_name[ticket.klass]
+        tenant = klass.tenants[ticket.tenant]
+        if tenant.queue[0] is ticket:
+            tenant.queue.popleft()
+        else:
+            tenant.queue.remove(ticket)
+        tenant.attained += ticket.cost / tenant.weight
+        klass.queued -= 1
+        self.queued -= 1
+        ticket.queued_s += now - ticket.queued_at
+        ticket.state = RUNNING
+        ticket.deadline = math.inf
+        ticket.reserved = True
+        self._reserved[ticket.model] = self._reserved.get(ticket.model, 0) + 1
+        self.in_flight += 1
+
+    def _unreserve(self, ticket: Ticket) -> None:
+        if ticket.reserved:
+            ticket.reserved = False
+            left = self._reserved[ticket.model] - 1
+            if left:
+                self._reserved[ticket.model] = left
+            else:
+                del self._reserved[ticket.model]
+
+    def _trim_idle(self, klass: _Class) -> None:
+        """Tenants with nothing queued are forgotten oldest first beyond `max_tenants`."""
+        tenants = klass.tenants
+        if len(tenants) <= self.max_tenants:
+            return
+        for name in list(tenants):
+            if len(tenants) <= self.max_tenants:
+                break
+            if not tenants[name].queue:
+                del tenants[name]
+
+
+# How far into a tenant's queue to look past requests for models with no room.
+LOOK_PAST = 8
+
+
+def _first_with_room(queue: deque[Ticket], full: set[str | None]) -> Ticket | None:
+    """The tenant's oldest ticket whose model has room: one model's saturation does not hold
+    back the tenant's requests for another."""
+    if not queue:
+        return None
+    if not full or queue[0].model not in full:
+        return queue[0]
+    for i, ticket in enumerate(queue):
+        if i >= LOOK_PAST:
+            return None
+        if ticket.model not in full:
+            return ticket
+    return None
+
+
+def refusal(reason: str, why: str, retry_after: int) -> ClientError:
+    return ClientError(
+        429, f"kvlb is at capacity ({why}); retry shortly", reason,
+        type_="rate_limit_error", retry_after=retry_after, headers=((REJECT_REASON_HEADER, reason),),
+    )

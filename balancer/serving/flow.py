@@ -1,0 +1,61 @@
+"""Flow control (`balancer.routing.flow`) driven by the event loop: a waiting ticket holds a
+future, its deadline is a timer on the loop's clock, and whatever the controller hands back
+(tickets dispatched, tickets displaced) is woken here."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+from balancer.routing.flow import GO, RUNNING, FlowController, Ticket
+from balancer.serving.flow_metrics import FlowMetrics
+
+
+class FlowGate:
+    def __init__(self, flow: FlowController) -> None:
+        self.flow = flow
+        self.metrics = FlowMetrics(flow)
+
+    async def enter(self, ticket: Ticket) -> None:
+        """Until the request may look for a replica; raises its refusal."""
+        now = asyncio.get_running_loop().time()
+        outcome, woken, displaced = self.flow.arrive(ticket, now)
+        self._wake(woken, displaced)
+        if outcome != GO:
+            await self._wait(ticket)
+
+    async def saturated(self, ticket: Ticket) -> None:
+        """No replica had room: wait, keeping its turn, until one may."""
+        woken, displaced = self.flow.saturated(ticket, asyncio.get_running_loop().time())
+        self._wake(woken, displaced)
+        await self._wait(ticket)
+
+    def done(self, ticket: Ticket) -> None:
+        self._wake(self.flow.done(ticket, asyncio.get_running_loop().time()), ())
+
+    async def _wait(self, ticket: Ticket) -> None:
+        if ticket.state == RUNNING:  # dispatched at once, by the call that queued it
+            return
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        ticket.waiter = waiter
+        try:
+            async with asyncio.timeout_at(ticket.deadline):
+                await waiter
+        except TimeoutError:
+            refusal = self.flow.expire(ticket, loop.time())
+            if refusal is not None:
+                raise refusal from None
+            # Dispatched (or displaced) just as its time ran out: take what it got.
+        finally:
+            ticket.waiter = None
+        if ticket.refusal is not None:
+            raise ticket.refusal
+
+    @staticmethod
+    def _wake(woken: Iterable[Ticket], displaced: Iterable[Ticket]) -> None:
+        for group in (woken, displaced):
+            for ticket in group:
+                waiter = ticket.waiter
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)
