@@ -67,7 +67,7 @@ def test_tenants_share_by_tokens_not_requests():
     backlogged, `small` gets about ten requests through for each of `big`'s."""
     flow = controller(max_in_flight=1)
     (current,) = fill(flow, 1)
-    for i in range(30):
+    for _ in range(30):
         flow.arrive(flow.ticket("big", None, None, 1000, None, 0.0), 0.0)
         flow.arrive(flow.ticket("small", None, None, 100, None, 0.0), 0.0)
     served = {"big": 0, "small": 0}
@@ -151,7 +151,7 @@ def test_a_target_that_cannot_be_met_is_refused_at_once():
     tenant's would go next, by fair share, and waits."""
     flow = controller(max_in_flight=1)
     (current,) = fill(flow, 1)
-    for i in range(60):
+    for _ in range(60):
         flow.arrive(flow.ticket("bg", "critical", None, 100, 100.0, 0.0), 0.0)
     for step in range(10):
         (current,) = flow.done(current, 0.1 * step)
