@@ -419,6 +419,9 @@ class FlowControlSettings:
         (FlowClassSettings(name="standard"),), check=_uniquely_named)  # highest priority first
     default_class: str = _checked("standard", _label_name)
     max_queued_per_tenant: int | None = _checked(None, _at_least(0))  # for tenants that set none
+    # How long a tenant's service is remembered in the fair share (its time constant): a
+    # tenant that used little for this long goes ahead of one that used much.
+    fairness_window_s: float = _checked(10.0, _positive)
     # Tenants named by headers get metric labels and fair-share state up to this many.
     max_tenants: int = _checked(1024, _at_least(1))
 

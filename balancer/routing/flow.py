@@ -11,9 +11,10 @@ While requests wait:
 - **Classes** are served in strict priority, highest first. A class may reserve a share of
   the places that free (`reserved_share`), so a lower class keeps moving under a flood.
 - **Tenants** within a class share by tokens, not requests: each tenant's attained service
-  (prompt plus expected output, over its weight) is counted as it is dispatched, and the
-  backlogged tenant with the least goes next. A tenant that was idle re-enters at the least
-  attained service of those waiting, so idleness banks no credit.
+  (prompt plus expected output, over its weight) is counted as it is dispatched and fades
+  with a time constant of `fairness_window_s`, and the waiting tenant with the least goes
+  next. A tenant sending below its share therefore goes ahead of one flooding the class,
+  even in a burst of its own; a tenant idle for much longer than the window starts level.
 - **Bounds**: all queues together (`limits.max_queued`), each class and each tenant. A full
   queue first pushes out what matters least: a queued request of a lower class (sheddable
   classes first), else the newest request of the tenant holding the largest share of the
@@ -47,7 +48,8 @@ TENANT_QUEUE_FULL = "tenant_queue_full"
 DISPLACED = "displaced"
 TTFT_SLO = "ttft_slo_unattainable"
 QUEUE_TIMEOUT = "queue_timeout"
-REASONS = (QUEUE_FULL, TENANT_QUEUE_FULL, DISPLACED, TTFT_SLO, QUEUE_TIMEOUT)
+WAIT_TOO_LONG = "predicted_wait_too_long"
+REASONS = (QUEUE_FULL, TENANT_QUEUE_FULL, DISPLACED, TTFT_SLO, QUEUE_TIMEOUT, WAIT_TOO_LONG)
 
 # Ticket states.
 NEW, RUNNING, QUEUED, ENDED = 0, 1, 2, 3
@@ -60,6 +62,12 @@ UNBOUNDED = 1 << 30
 # few enough to follow a change in the fleet within seconds.
 RATE_WINDOW = 64
 TTFT_EWMA = 0.1
+# A request predicted to wait more than this share of `queue_timeout_s` is refused at once.
+# The prediction counts only who is queued now, not the higher classes and fairer shares that
+# will arrive meanwhile, so it runs short for exactly the requests near the end of the line;
+# refusing only past the whole timeout leaves the line at its edge, where much of what joins
+# still times out after the full wait.
+EARLY_REFUSAL_SHARE = 0.8
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +111,8 @@ class Ticket:
 class _Tenant:
     weight: float
     max_queued: int | None
-    attained: float = 0.0  # tokens dispatched over weight
+    attained: float = 0.0  # tokens dispatched over weight, faded to `at`
+    at: float = 0.0
     queue: deque[Ticket] = field(default_factory=deque)
 
 
@@ -129,6 +138,7 @@ class FlowController:
         tenants: Mapping[str, TenantPolicy] | None = None,
         max_tenants: int = 1024,
         default_max_queued: int | None = None,
+        fairness_window_s: float = 10.0,
     ) -> None:
         self.classes = [_Class(spec, rank, spec.max_queued if spec.max_queued is not None else max_queued)
                         for rank, spec in enumerate(classes)]
@@ -143,6 +153,7 @@ class FlowController:
         self.tenants = dict(tenants or {})
         self.default_tenant = TenantPolicy(max_queued=default_max_queued)
         self.max_tenants = max_tenants
+        self.fairness_window_s = fairness_window_s
         self.in_flight = 0
         self.queued = 0
         self._seq = 0
@@ -246,7 +257,7 @@ class FlowController:
         woken: list[Ticket] = []
         full: set[str | None] = set()
         while self.queued and self.in_flight < self.max_in_flight:
-            ticket = self._next(full)
+            ticket = self._next(full, now)
             if ticket is None:
                 break
             model = ticket.model
@@ -300,23 +311,21 @@ class FlowController:
     def _enqueue(self, ticket: Ticket, now: float, front: bool) -> list[Ticket]:
         klass = self.by_name[ticket.klass]
         slo = ticket.ttft_slo_s
-        if slo is not None:
-            waited = now - ticket.arrived
-            wait = self.predicted_wait_s(ticket)
-            if waited + wait + self.ttft_estimate_s > slo:
-                raise refusal(TTFT_SLO, f"the predicted time to first token ({(waited + wait + self.ttft_estimate_s) * 1000:.0f} ms) "
-                                        f"exceeds its target ({slo * 1000:g} ms)", self._retry_after(wait))
+        waited = now - ticket.arrived
+        wait = self.predicted_wait_s(ticket)
+        if slo is not None and waited + wait + self.ttft_estimate_s > slo:
+            raise refusal(TTFT_SLO, f"the predicted time to first token ({(waited + wait + self.ttft_estimate_s) * 1000:.0f} ms) "
+                                    f"exceeds its target ({slo * 1000:g} ms)", self._retry_after(wait))
+        if waited + wait > EARLY_REFUSAL_SHARE * self.queue_timeout_s:
+            # It would time out in line: better told now, with the wait to expect.
+            raise refusal(WAIT_TOO_LONG, f"the predicted wait ({wait:.1f} s) exceeds limits.queue_timeout_s "
+                                         f"({self.queue_timeout_s} s)", self._retry_after(wait))
         tenant = klass.tenants.get(ticket.tenant)
         if tenant is None:
             policy = self._policy(ticket.tenant)
-            tenant = _Tenant(policy.weight, policy.max_queued)
-            # Idleness banks no credit: it joins at the least attained service of those waiting.
-            tenant.attained = min((t.attained for t in klass.tenants.values() if t.queue), default=0.0)
+            tenant = _Tenant(policy.weight, policy.max_queued, 0.0, now)
             klass.tenants[ticket.tenant] = tenant
             self._trim_idle(klass)
-        elif not tenant.queue:
-            tenant.attained = max(tenant.attained,
-                                  min((t.attained for t in klass.tenants.values() if t.queue), default=0.0))
         if tenant.max_queued is not None and len(tenant.queue) >= tenant.max_queued:
             raise refusal(TENANT_QUEUE_FULL, "this tenant's queue is full", self._retry_after(self.predicted_wait_s(ticket)))
         displaced = []
@@ -382,7 +391,7 @@ class FlowController:
         self.queued -= 1
         ticket.queued_s += now - ticket.queued_at
 
-    def _next(self, full: set[str | None]) -> Ticket | None:
+    def _next(self, full: set[str | None], now: float) -> Ticket | None:
         """The next ticket by class priority (with reserved shares), then least attained
         service among the class's tenants; tickets whose model has no room are passed over."""
         waiting = [c for c in self.classes if c.queued]
@@ -403,7 +412,7 @@ class FlowController:
                 head = _first_with_room(tenant.queue, full)
                 if head is None:
                     continue
-                key = (tenant.attained, head.seq)
+                key = (self._attained(tenant, now), head.seq)
                 if best_key is None or key < best_key:
                     best, best_key = head, key
             if best is not None:
@@ -412,6 +421,10 @@ class FlowController:
                 return best
         return None
 
+    def _attained(self, tenant: _Tenant, now: float) -> float:
+        age = now - tenant.at
+        return tenant.attained * math.exp(-age / self.fairness_window_s) if age > 0 else tenant.attained
+
     def _dispatch(self, ticket: Ticket, now: float) -> None:
         klass = self.by_name[ticket.klass]
         tenant = klass.tenants[ticket.tenant]
@@ -419,7 +432,8 @@ class FlowController:
             tenant.queue.popleft()
         else:
             tenant.queue.remove(ticket)
-        tenant.attained += ticket.cost / tenant.weight
+        tenant.attained = self._attained(tenant, now) + ticket.cost / tenant.weight
+        tenant.at = now
         klass.queued -= 1
         self.queued -= 1
         ticket.queued_s += now - ticket.queued_at

@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import orjson
 
-from balancer.protocol import REPLICA_HEADER, SESSION_HEADER
+from balancer.protocol import (
+    PRIORITY_HEADER,
+    REJECT_REASON_HEADER,
+    REPLICA_HEADER,
+    SESSION_HEADER,
+    TENANT_HEADER,
+)
 from loadtest.client.sse import (
     StreamReader,
     client_error_text,
@@ -131,6 +137,10 @@ class _Run:
         headers = {"Content-Type": "application/json"}
         if req.session is not None:
             headers[SESSION_HEADER] = req.session
+        if req.tenant is not None:
+            headers[TENANT_HEADER] = req.tenant
+        if req.priority is not None:
+            headers[PRIORITY_HEADER] = req.priority
         scale = self.scale
         sent = now()
         self.max_send_lag_s = max(self.max_send_lag_s, (sent - due) * scale)
@@ -138,6 +148,7 @@ class _Run:
             index=req.index, send_s=(sent - self.start) * scale, status=0, error=None,
             replica=None, session=req.session, prompt_tokens=0, cached_tokens=0,
             output_tokens=0, ttft_s=None, e2e_s=None, tpot_s=None, itl_s=[],
+            tenant=req.tenant, priority=req.priority,
         )  # fmt: skip
         reader = StreamReader()
         usage: Any = None
@@ -150,6 +161,7 @@ class _Run:
                     record.replica = resp.headers.get(REPLICA_HEADER)
                     if not 200 <= resp.status < 300:
                         record.error = error_from_body(await resp.read(), resp.status)
+                        record.reject_reason = resp.headers.get(REJECT_REASON_HEADER)
                     elif self.stream:
                         async for line in resp.content:
                             reader.feed(line, now())

@@ -38,6 +38,12 @@ class RequestRecord:
     predicted_cached_tokens: int | None = None
     # Its TTFT on an ideal fleet (loadtest/simulator/ideal.py), where the run knows the fleet.
     ideal_ttft_s: float | None = None
+    # Flow control: who it was for, its class and target, its wait, why it was refused.
+    tenant: str | None = None
+    priority: str | None = None
+    ttft_slo_s: float | None = None
+    queued_s: float | None = None
+    reject_reason: str | None = None
 
     @property
     def ok(self) -> bool:

@@ -65,6 +65,20 @@ multi-tenant    `tenants` long system prompts; each request picks a tenant with 
 
 Poisson arrivals start at 0 s. Token counts (`*_tokens`) are words; a chat prompt costs its
 words plus one token per message plus one, as the replica's chat template does.
+
+noisy-neighbour `steady_tenants` tenants (`steady-0`, ...) send `steady_rate` requests/s between
+                them for `duration_s`; tenant `noisy` sends `noisy_rate` requests/s from
+                `burst_start_s` for `burst_s`. Each tenant has a system prompt of its own and
+                each request a question of its own; completions, session = tenant.
+    steady_tenants=2  steady_rate=2  noisy_rate=20  burst_start_s=10  burst_s=60
+    duration_s=90  system_tokens=256  question_tokens=256  output_tokens=128
+
+interactive-batch  One tenant's interactive traffic (`critical_share` of it class `critical`,
+                the rest `standard`: short prompts and answers) beside a batch job (tenant
+                `batch-job`, class `batch`: long prompts and answers, `batch_share` of all
+                requests), `requests` Poisson arrivals at `rate` requests/s in all.
+    requests=1000  rate=8  critical_share=0.3  batch_share=0.5  interactive_tokens=512
+    interactive_output=64  batch_tokens=2048  batch_output=256
 """
 
 from __future__ import annotations
@@ -133,6 +147,9 @@ class WorkRequest:
     # Chat: (role, segments) per message. Completions: one ("", segments) for the prompt.
     _parts: tuple[tuple[str, tuple[Segment, ...]], ...] = field(default=(), repr=False)
     _salt: str = field(default="", repr=False)
+    # Flow control: who it is for and its class, sent as x-kvlb-tenant and x-kvlb-priority.
+    tenant: str | None = None
+    priority: str | None = None
 
     def payload(self, model: str | None = None, stream: bool = True) -> dict:
         """The OpenAI JSON body for this request, built fresh from its recipe."""
@@ -343,6 +360,45 @@ def _multi_tenant(path: str | None, o: dict, rng: random.Random) -> tuple[str, l
     return what, drafts, []
 
 
+def _noisy_neighbour(path: str | None, o: dict, rng: random.Random) -> tuple[str, list, list]:
+    system, question, output = o["system_tokens"], o["question_tokens"], o["output_tokens"]
+    streams = [(f"steady-{t}", 0.0, o["duration_s"], o["steady_rate"] / o["steady_tenants"])
+               for t in range(o["steady_tenants"])]
+    streams.append(("noisy", o["burst_start_s"], o["burst_start_s"] + o["burst_s"], o["noisy_rate"]))
+    drafts = []
+    for tenant, start, end, rate in streams:
+        count = max(1, round((end - start) * rate))
+        for r, at in enumerate(_poisson(rng, count, rate)):
+            if start + at >= end:
+                break
+            parts = (("", ((f"nn-{tenant}", system), (f"nn-{tenant}.{r}", question))),)
+            drafts.append(WorkRequest(0, start + at, system + question, output, tenant, ROUTE_COMPLETIONS,
+                                      parts, str(o["seed"]), tenant=tenant))
+    what = (f"noisy-neighbour: {o['steady_tenants']} steady tenants at {o['steady_rate']:g} req/s for "
+            f"{o['duration_s']:g} s, a noisy one at {o['noisy_rate']:g} req/s from {o['burst_start_s']:g} s "
+            f"for {o['burst_s']:g} s; prompt {system}+{question}, output {output}")
+    return what, drafts, []
+
+
+def _interactive_batch(path: str | None, o: dict, rng: random.Random) -> tuple[str, list, list]:
+    drafts = []
+    for r, at in enumerate(_poisson(rng, o["requests"], o["rate"])):
+        draw = rng.random()
+        if draw < o["batch_share"]:
+            tenant, klass, prompt, output = "batch-job", "batch", o["batch_tokens"], o["batch_output"]
+        else:
+            tenant, prompt, output = "app", o["interactive_tokens"], o["interactive_output"]
+            interactive = (draw - o["batch_share"]) / max(1 - o["batch_share"], 1e-9)
+            klass = "critical" if interactive < o["critical_share"] else "standard"
+        parts = (("", ((f"ib-{tenant}", prompt // 2), (f"ib-{tenant}.{r}", prompt - prompt // 2))),)
+        drafts.append(WorkRequest(0, at, prompt, output, tenant, ROUTE_COMPLETIONS, parts, str(o["seed"]),
+                                  tenant=tenant, priority=klass))
+    what = (f"interactive-batch: {o['requests']} requests at {o['rate']:g} req/s, batch share "
+            f"{o['batch_share']:g} ({o['batch_tokens']}+{o['batch_output']} tokens), interactive "
+            f"{o['interactive_tokens']}+{o['interactive_output']} of which critical {o['critical_share']:g}")
+    return what, drafts, []
+
+
 def _integer(low: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
@@ -383,6 +439,13 @@ def _boolean(text: str) -> bool:
     raise ValueError("must be true or false")
 
 
+def _fraction(text: str) -> float:
+    value = _number(False)(text)
+    if value > 1:
+        raise ValueError("must be between 0 and 1")
+    return value
+
+
 _COUNT, _RATE = _integer(1), _number(True)
 _Option = tuple[Callable[[str], Any], Any]
 _COMMON: dict[str, _Option] = {
@@ -410,6 +473,16 @@ _KINDS: dict[str, tuple[_Builder, bool, dict[str, _Option]]] = {
         "system_tokens": (_COUNT, 3000), "question_tokens": (_COUNT, 128),
         "output_tokens": (_COUNT, 128), "requests": (_COUNT, 1000), "rate": (_RATE, 8.0),
         "route": (_choice("completions", "chat"), "completions"),
+    }),
+    "noisy-neighbour": (_noisy_neighbour, False, {
+        "steady_tenants": (_COUNT, 2), "steady_rate": (_RATE, 2.0), "noisy_rate": (_RATE, 20.0),
+        "burst_start_s": (_number(False), 10.0), "burst_s": (_RATE, 60.0), "duration_s": (_RATE, 90.0),
+        "system_tokens": (_COUNT, 256), "question_tokens": (_COUNT, 256), "output_tokens": (_COUNT, 128),
+    }),
+    "interactive-batch": (_interactive_batch, False, {
+        "requests": (_COUNT, 1000), "rate": (_RATE, 8.0), "critical_share": (_fraction, 0.3),
+        "batch_share": (_fraction, 0.5), "interactive_tokens": (_integer(2), 512),
+        "interactive_output": (_COUNT, 64), "batch_tokens": (_integer(2), 2048), "batch_output": (_COUNT, 256),
     }),
 }
 

@@ -33,6 +33,8 @@ from loadtest.simulator.cli import (
     SetupError,
     add_fleet_arguments,
     fleet_from_args,
+    flow_sections,
+    flow_settings,
     ideal_for,
     policy_settings,
     run_offline,
@@ -50,10 +52,12 @@ def compare_offline(
     """`precise` applies to the cache-aware policies (those that read the prompt)."""
     results: Results = {}
     ideal = ideal_for(workload, fleet)  # the same limit for every policy
+    flow = flow_settings(policy_config)
     for name in policies:
         policy, routing = policy_settings(name, policy_config, seed)
         results[name] = run_offline(
-            workload, fleet, policy, routing, out_dir / name, progress=progress, precise=precise, ideal=ideal
+            workload, fleet, policy, routing, out_dir / name, progress=progress, precise=precise, ideal=ideal,
+            flow=flow,
         )
     return results
 
@@ -76,7 +80,8 @@ async def compare_live(
             await fleet.start_replicas()
             if command is None:
                 policy, routing = policy_settings(name, policy_config, seed)
-                target = await fleet.start_kvlb(name, dict(policy.params), seed, dataclasses.asdict(routing))
+                target = await fleet.start_kvlb(name, dict(policy.params), seed, dataclasses.asdict(routing),
+                                                extra=flow_sections(policy_config))
             else:
                 target = await fleet.start_external(command)
             if progress:

@@ -41,10 +41,13 @@ def kvlb_config(
     model: str = MODEL,
     labels: Sequence[Mapping[str, str]] | None = None,
     routing: Mapping[str, Any] | None = None,
+    max_concurrency: int | None = None,
 ) -> dict[str, Any]:
     replicas = []
     for i, url in enumerate(replica_urls):
         replica: dict[str, Any] = {"url": url, "name": f"replica-{i}", "model": model}
+        if max_concurrency is not None:
+            replica["max_concurrency"] = max_concurrency
         if labels is not None:
             replica["labels"] = dict(labels[i])
         replicas.append(replica)
@@ -107,13 +110,17 @@ class LiveFleet:
 
     async def start_kvlb(self, policy: str, params: Mapping[str, Any] | None = None, seed: int | None = 0,
                          routing: Mapping[str, Any] | None = None, sync: Mapping[str, Any] | None = None,
-                         replace: bool = True, workers: int = 1) -> str:
+                         replace: bool = True, workers: int = 1, max_concurrency: int | None = None,
+                         extra: Mapping[str, Any] | None = None) -> str:
         """kvlb in front of the replicas; `replace=False` adds an instance beside those running
-        (with `sync`, they share routing state)."""
+        (with `sync`, they share routing state). `extra`: more configuration sections (for
+        example flow_control, auth and limits), replacing those of the same name."""
         port = free_port()
-        config = kvlb_config(port, self.replica_urls, policy, params, seed, self.model, routing=routing)
+        config = kvlb_config(port, self.replica_urls, policy, params, seed, self.model, routing=routing,
+                             max_concurrency=max_concurrency)
         if sync is not None:
             config["sync"] = dict(sync)
+        config.update(extra or {})
         path = Path(self._tmp.name) / f"kvlb-{policy}-{port}.yaml"
         path.write_text(yaml.safe_dump(config))
         argv = [sys.executable, "-m", "balancer", "serve", "--config", str(path)]

@@ -15,7 +15,14 @@ from typing import Any
 
 import yaml
 
-from balancer.config import ConfigError, Limits, PolicySettings, RoutingSettings, parse_settings
+from balancer.config import (
+    ConfigError,
+    Limits,
+    PolicySettings,
+    RoutingSettings,
+    Settings,
+    parse_settings,
+)
 from loadtest.client.summary import RequestRecord, summarize, write_results
 from loadtest.client.workloads import Workload, WorkloadError, load_workload
 from loadtest.replica.profiles import DEFAULT_PROFILE, PROFILES
@@ -47,27 +54,59 @@ def policy_settings(name: str, config_path: str | None, seed: int) -> tuple[Poli
     out)."""
     if config_path is None:
         return PolicySettings(name=name, seed=seed), RoutingSettings()
+    settings = read_config(config_path)
+    params = settings.policy.params if settings.policy.name == name else {}
+    return PolicySettings(name=name, params=params, seed=seed), settings.routing
+
+
+def flow_settings(config_path: str | None) -> Settings | None:
+    """The configuration, when it turns flow control on: its `flow_control`, `auth.tenants`
+    and `limits` then run offline as `kvlb serve` runs them."""
+    if config_path is None:
+        return None
+    settings = read_config(config_path)
+    return settings if settings.flow_control.enabled else None
+
+
+FLOW_SECTIONS = ("flow_control", "auth", "limits")
+
+
+def flow_sections(config_path: str | None) -> dict[str, Any]:
+    """The configuration's sections that flow control reads, as written, for a live kvlb;
+    none when it does not turn flow control on."""
+    if flow_settings(config_path) is None:
+        return {}
+    assert config_path is not None
+    data = _config_data(config_path)
+    return {key: data[key] for key in FLOW_SECTIONS if key in data}
+
+
+def _config_data(config_path: str) -> dict[str, Any]:
     try:
         data = yaml.safe_load(Path(config_path).read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise SetupError(f"cannot read policy config {config_path}: {exc}") from None
     if not isinstance(data, dict):
         raise SetupError(f"{config_path}: expected a kvlb configuration (a mapping)")
+    return data
+
+
+def read_config(config_path: str) -> Settings:
+    data = _config_data(config_path)
     if not data.get("replicas") and not data.get("replica_sets"):
         data = dict(data, replicas=[{"url": "http://127.0.0.1:9"}])
     try:
-        settings = parse_settings(data)
+        return parse_settings(data)
     except ConfigError as exc:
         raise SetupError(f"{config_path}: " + "; ".join(exc.problems)) from None
-    params = settings.policy.params if settings.policy.name == name else {}
-    return PolicySettings(name=name, params=params, seed=seed), settings.routing
 
 
 def fleet_from_args(args: argparse.Namespace) -> FleetPlan:
     try:
         if args.fleet:
             return load_fleet(args.fleet)
-        return uniform_fleet(args.replicas, args.profile, args.kv_capacity_tokens, args.context_limit)
+        return uniform_fleet(args.replicas, args.profile, args.kv_capacity_tokens, args.context_limit,
+                             args.max_concurrency)
     except FleetError as exc:
         raise SetupError(str(exc)) from None
 
@@ -95,9 +134,11 @@ def run_offline(
     progress: bool = False,
     precise: bool = False,
     ideal: Mapping[int, float] | None = None,
+    flow: Settings | None = None,
 ) -> tuple[dict[str, Any], list[RequestRecord]]:
     """Simulate, summarize, and write the results when `out_dir` is given. `ideal` is each
-    request's TTFT on the ideal fleet (`ideal_for`), computed once for several runs."""
+    request's TTFT on the ideal fleet (`ideal_for`), computed once for several runs; `flow`
+    runs its flow control (`flow_settings`)."""
     total = len(workload.requests)
     started = time.process_time()
     last = [0.0]
@@ -109,12 +150,13 @@ def run_offline(
             print(f"\r  {policy.name}: {done}/{total} requests simulated", end="", file=sys.stderr, flush=True)
 
     result = simulate(fleet, workload.requests, policy, routing, show if progress else None, precise=precise,
-                      limits=HARNESS_LIMITS)
+                      limits=HARNESS_LIMITS, flow=flow)
     if progress:
         print(file=sys.stderr)
     cpu_s = time.process_time() - started
     meta = {
         "mode": "offline",
+        "flow_control": flow is not None,
         "policy": policy.name,
         "policy_params": dict(policy.params),
         "workload": workload.spec,
@@ -155,13 +197,16 @@ def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
     fleet.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
     fleet.add_argument("--kv-capacity-tokens", type=int, default=None, help="default: the profile's")
     fleet.add_argument("--context-limit", type=int, default=131072, help="longest prompt + output a replica takes")
+    fleet.add_argument("--max-concurrency", type=int, default=None,
+                       help="the balancer's cap on requests at once per replica (its max_concurrency)")
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("simulate", help=HELP, description=HELP)
     parser.add_argument("--workload", required=True, help="workload spec (see loadtest/client/workloads.py)")
     parser.add_argument("--policy", default="predictive")
-    parser.add_argument("--policy-config", help="kvlb config whose policy params and routing section apply")
+    parser.add_argument("--policy-config", help="kvlb config whose policy params and routing section apply, "
+                        "and its flow_control (with auth.tenants and limits) when enabled")
     parser.add_argument("--seed", type=int, default=0, help="the policy's random seed")
     parser.add_argument("--out", required=True, help="directory for requests.jsonl and summary.json")
     parser.add_argument("--precise", action="store_true", help=PRECISE_HELP)
@@ -204,6 +249,7 @@ def main(args: argparse.Namespace) -> int:
         workload = workload_from_args(args.workload)
         fleet = fleet_from_args(args)
         policy, routing = policy_settings(args.policy, args.policy_config, args.seed)
+        flow = flow_settings(args.policy_config)
         if args.policy_config is None:
             from policies.registry import make_policy
 
@@ -214,7 +260,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvlb simulate: {exc}", file=sys.stderr)
         return 2
     summary, _ = run_offline(
-        workload, fleet, policy, routing, Path(args.out), progress=not args.no_progress, precise=args.precise
+        workload, fleet, policy, routing, Path(args.out), progress=not args.no_progress, precise=args.precise,
+        flow=flow,
     )
     print_summary(summary)
     sim = summary["simulation"]

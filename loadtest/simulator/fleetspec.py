@@ -36,7 +36,7 @@ from loadtest.replica.profiles import DEFAULT_PROFILE, PROFILES, Profile
 
 GROUP_KEYS = {
     "count", "profile", "region", "zone", "tier", "kv_capacity_tokens", "max_running",
-    "max_batched_tokens", "context_limit", "weight",
+    "max_batched_tokens", "context_limit", "weight", "max_concurrency",
 }  # fmt: skip
 TOP_KEYS = {"region", "round_trip_ms", "groups", "profile"}
 
@@ -56,6 +56,7 @@ class ReplicaPlan:
     context_limit: int = 131072
     weight: float = 1.0
     round_trip_s: float = 0.0  # between the balancer and this replica
+    max_concurrency: int | None = None  # the balancer's cap on requests at once (its config's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,14 +87,18 @@ def uniform_fleet(
     profile: str = DEFAULT_PROFILE,
     kv_capacity_tokens: int | None = None,
     context_limit: int = 131072,
+    max_concurrency: int | None = None,
 ) -> FleetPlan:
     _int(replicas, "--replicas")
     chosen = _profile(profile, "--profile")
     plans = tuple(
-        ReplicaPlan(f"replica-{i}", chosen, {}, kv_capacity_tokens, context_limit=context_limit)
+        ReplicaPlan(f"replica-{i}", chosen, {}, kv_capacity_tokens, context_limit=context_limit,
+                    max_concurrency=max_concurrency)
         for i in range(replicas)
     )
     extra = f", {kv_capacity_tokens:,} KV tokens each" if kv_capacity_tokens else ""
+    if max_concurrency is not None:
+        extra += f", at most {max_concurrency} requests each"
     if context_limit != 131072:
         extra += f", context limit {context_limit:,}"
     return FleetPlan(plans, None, f"{replicas} x {profile}{extra}")
@@ -158,6 +163,8 @@ def parse_fleet(data: Any, source: str = "fleet") -> FleetPlan:
                 context_limit=_int(group.get("context_limit", 131072), f"{where}.context_limit"),
                 weight=float(weight),
                 round_trip_s=rtt_ms / 1000.0,
+                max_concurrency=None if group.get("max_concurrency") is None
+                else _int(group["max_concurrency"], f"{where}.max_concurrency"),
             ))
         where_text = "/".join(labels[k] for k in ("region", "tier") if k in labels)
         parts.append(f"{count} x {profile.name}" + (f" ({where_text}, +{rtt_ms:g} ms)" if rtt_ms else f" ({where_text})" if where_text else ""))

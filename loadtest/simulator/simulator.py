@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,11 +47,13 @@ from balancer.config import (
     PolicySettings,
     ReplicaSettings,
     RoutingSettings,
+    Settings,
 )
 from balancer.errors import ClientError
 from balancer.routing.admission import AdmissionQueue
+from balancer.routing.build import flow_controller
 from balancer.routing.core import PREFILLING, CoreSettings, Journey, RoutingCore
-from balancer.routing.fleet import Fleet, Replica
+from balancer.routing.fleet import FULL, Fleet, Replica
 from balancer.routing.kv_events import Cleared, Event, KvEventIndex, Removed, Stored
 from balancer.routing.precise import PreciseTracker
 from balancer.routing.request import parse_request
@@ -69,6 +72,7 @@ from loadtest.replica.kv_events import MEDIUM
 from loadtest.replica.parsing import ApiError, GenerationRequest, parse_chat, parse_completion
 from loadtest.replica.tokens import word_token_id
 from loadtest.simulator.fleetspec import FleetPlan
+from loadtest.simulator.flow import SimulatedFlow
 from policies.base import Policy
 from policies.registry import make_policy
 
@@ -78,7 +82,7 @@ MODEL = "sim-model"
 # at once by a step is never overtaken by an earlier one still queued); a replica's iteration
 # end before the arrivals it may have made room for; the core's timers and admission deadlines
 # last.
-KV_EVENTS, STEP, FIRST_TOKEN, FINISH, ARRIVE, REACH, TIMER, QUEUE_TIMEOUT = range(8)
+KV_EVENTS, STEP, FIRST_TOKEN, FINISH, ARRIVE, REACH, TIMER, QUEUE_TIMEOUT, ROOM_TIMEOUT = range(9)
 # Distinct words whose token ids are remembered; past it, the memory starts over.
 MAX_REMEMBERED_WORDS = 1_000_000
 
@@ -176,7 +180,10 @@ class Simulator:
         decode_runs: bool = True,
         precise: bool = False,
         limits: Limits | None = None,
+        flow: Settings | None = None,
     ) -> None:
+        """`flow`: settings whose `flow_control` (with `auth.tenants` and `limits`) runs, as
+        `kvlb serve` runs it; its limits then replace `limits`."""
         self.decode_runs_enabled = decode_runs
         self.now = 0.0
         self.routing = routing or RoutingSettings()
@@ -184,7 +191,7 @@ class Simulator:
         settings = [
             ReplicaSettings(
                 url=f"http://sim.invalid/{plan.name}", name=plan.name, model=MODEL,
-                labels=dict(plan.labels), weight=plan.weight,
+                labels=dict(plan.labels), weight=plan.weight, max_concurrency=plan.max_concurrency,
             )
             for plan in fleet.replicas
         ]
@@ -211,15 +218,19 @@ class Simulator:
         elif self.policy.needs_prompt:
             self.tracker = CacheTracker(self.routing, lambda: self.now)
         self.region = fleet.region or self.routing.region
-        self.limits = limits or Limits()
+        self.limits = flow.limits if flow is not None else limits or Limits()
         self.admission: AdmissionQueue[WorkRequest] = AdmissionQueue(
             self.limits.max_in_flight, self.limits.max_queued
         )
         self.core = RoutingCore(
             fleet_, self.policy, self.tracker, self.admission,
             CoreSettings(max_attempts, self.region, self.routing.forget_unhealthy_after_s),
-            call_at=self._call_at,
+            call_at=self._call_at, flow=flow_controller(flow, fleet_) if flow is not None else None,
         )
+        self.flow = SimulatedFlow(self, MODEL, QUEUE_TIMEOUT) if self.core.flow is not None else None
+        # Without flow control, requests that found every replica at its max_concurrency wait
+        # here, holding their admission slot, as the proxy's do (`Fleet.wait_for_room`).
+        self._room_line: deque[WorkRequest] = deque()
         self.token_ids = TokenIds()
         self.nodes: dict[str, VirtualReplica] = {}
         for plan, replica, engine in zip(fleet.replicas, self.fleet.replicas, engines, strict=True):
@@ -246,6 +257,7 @@ class Simulator:
         handlers = {
             KV_EVENTS: self._deliver, STEP: self._step, FIRST_TOKEN: self._first_token, FINISH: self._finish,
             ARRIVE: self._arrive, REACH: self._reach, TIMER: self._timer, QUEUE_TIMEOUT: self._queue_timeout,
+            ROOM_TIMEOUT: self._room_timeout,
         }
         pop = heapq.heappop
         done_before = 0
@@ -286,7 +298,10 @@ class Simulator:
         callback(self.now)
 
     def _arrive(self, request: WorkRequest, _version: int) -> None:
-        """The balancer's admission line first, as in `kvlb serve`."""
+        """The balancer's admission line (or flow control) first, as in `kvlb serve`."""
+        if self.flow is not None:
+            self.flow.arrive(request)
+            return
         try:
             admitted = self.admission.try_enter()
         except ClientError as exc:
@@ -299,17 +314,34 @@ class Simulator:
             self._at(self.now + self.limits.queue_timeout_s, QUEUE_TIMEOUT, request)
 
     def _queue_timeout(self, request: WorkRequest, _version: int) -> None:
-        if self.admission.withdraw(request):
+        if self.flow is not None:
+            self.flow.expire(request)
+        elif self.admission.withdraw(request):
             exc = self.admission.timed_out(self.limits.queue_timeout_s)
             self._record_error(request, exc.status, exc.message)
 
-    def _leave(self) -> None:
-        """An admitted request is done: its slot goes to the longest waiter."""
+    def _room_timeout(self, request: WorkRequest, _version: int) -> None:
+        try:
+            self._room_line.remove(request)
+        except ValueError:
+            return  # it found room meanwhile
+        self._record_error(request, 429, "every replica is at its max_concurrency; retry shortly")
+        self._leave(request)
+
+    def _leave(self, request: WorkRequest) -> None:
+        """An admitted request is done: its slot goes to the next in line."""
+        if self.flow is not None:
+            self.flow.leave(request)
+            return
+        if self._room_line:
+            # Room on a replica, most likely: the longest waiter for it looks first.
+            self._route(self._room_line.popleft(), waited=True)
         waiter = self.admission.hand_over()
         if waiter is not None:
             self._route(waiter)
 
-    def _route(self, request: WorkRequest) -> None:
+    def _route(self, request: WorkRequest, waited: bool = False) -> None:
+        """`waited`: it comes from the line for room, and goes back to its head if still full."""
         payload = request.payload(MODEL, stream=True)
         body = orjson.dumps(payload)
         core = self.core
@@ -317,8 +349,18 @@ class Simulator:
             features = parse_request(request.route, body, request.session, with_prompt=self.policy.needs_prompt)
             candidates = core.candidates(features.model, None, self.now)
         except ClientError as exc:
+            if exc.code == FULL and self.flow is not None:
+                self.flow.saturated(request)
+                return
+            if exc.code == FULL and waited:
+                self._room_line.appendleft(request)
+                return
+            if exc.code == FULL:
+                self._room_line.append(request)
+                self._at(self.now + self.limits.queue_timeout_s, ROOM_TIMEOUT, request)
+                return
             self._record_error(request, exc.status, exc.message)
-            self._leave()
+            self._leave(request)
             return
         prompt = features.prompt
         parsed = None
@@ -329,15 +371,17 @@ class Simulator:
             # token for token.
             parsed = self._parse(request, payload)
             if parsed is None:
-                self._leave()
+                self._leave(request)
                 return
             prompt = self.token_ids.of(parsed.tokens)
         journey = core.plan(request.route, features, prompt, candidates, self.region)
         if parsed is None:
             parsed = self._parse(request, payload)
             if parsed is None:
-                self._leave()
+                self._leave(request)
                 return
+        if self.flow is not None:
+            self.flow.placed(request)
         self._attempt(Flight(request, journey), parsed, None)
 
     def _parse(self, request: WorkRequest, payload: dict[str, Any]) -> GenerationRequest | None:
@@ -356,7 +400,7 @@ class Simulator:
         replica = self.core.next_attempt(journey, self.now)
         if replica is None:
             self._record_error(flight.request, 503 if failure else 502, failure or "no replica to try")
-            self._leave()
+            self._leave(flight.request)
             return
         flight.replica = replica
         node = self.nodes[replica.name]
@@ -379,7 +423,7 @@ class Simulator:
             self.core.answered(journey, self.now, True, None)
             self.core.end_attempt(journey, answered=True)
             self._record_error(flight.request, 400, str(exc))
-            self._leave()
+            self._leave(flight.request)
             return
         except QueueFullError as exc:
             # A 503 without Retry-After: the replica's fault, and the next choice is tried.
@@ -396,6 +440,8 @@ class Simulator:
     def _first_token(self, flight: Flight, _version: int) -> None:
         assert flight.journey is not None
         self.core.first_byte(flight.journey, self.now)
+        if self.flow is not None:
+            self.flow.first_byte(flight.request, self.now)
 
     def _finish(self, flight: Flight, _version: int) -> None:
         seq = flight.seq
@@ -412,8 +458,8 @@ class Simulator:
             core.learned_output(journey, seq.num_generated, self.now)
         core.answered(journey, self.now, True, None)
         core.end_attempt(journey, answered=True)
-        self._leave()
         request = flight.request
+        self._leave(request)
         one_way = node.one_way_s
         predicted = None
         if journey.routed is not None:
@@ -428,6 +474,7 @@ class Simulator:
             ttft_s=ttft, e2e_s=e2e, tpot_s=(e2e - ttft) / (out - 1) if out > 1 else None, itl_s=[],
             predicted_cached_tokens=predicted,
         )
+        self._stamp(self.records[request.index], request)
 
     @staticmethod
     def _predicted(routed: Routed, replica: str, prompt_tokens: int) -> int:
@@ -440,12 +487,19 @@ class Simulator:
             return min(cached, prompt_tokens)
         return min(cached * prompt_tokens // routed.prompt_tokens, prompt_tokens)
 
-    def _record_error(self, request: WorkRequest, status: int, message: str) -> None:
-        self.records[request.index] = RequestRecord(
+    def _record_error(self, request: WorkRequest, status: int, message: str, reason: str | None = None) -> None:
+        record = self.records[request.index] = RequestRecord(
             index=request.index, send_s=request.arrival_s, status=status, error=message,
             replica=None, session=request.session, prompt_tokens=0, cached_tokens=0,
-            output_tokens=0, ttft_s=None, e2e_s=None, tpot_s=None, itl_s=[],
+            output_tokens=0, ttft_s=None, e2e_s=None, tpot_s=None, itl_s=[], reject_reason=reason,
         )
+        self._stamp(record, request)
+
+    def _stamp(self, record: RequestRecord, request: WorkRequest) -> None:
+        """Who the request was for, and what flow control made of it."""
+        record.tenant, record.priority = request.tenant, request.priority
+        if self.flow is not None:
+            self.flow.stamp(record, request)
 
     # -- the replica side ----------------------------------------------------------------
 
@@ -568,5 +622,6 @@ def simulate(
     progress: Callable[[int], None] | None = None,
     precise: bool = False,
     limits: Limits | None = None,
+    flow: Settings | None = None,
 ) -> SimulationResult:
-    return Simulator(fleet, policy, routing, precise=precise, limits=limits).run(requests, progress)
+    return Simulator(fleet, policy, routing, precise=precise, limits=limits, flow=flow).run(requests, progress)

@@ -78,7 +78,7 @@ def test_tenants_share_by_tokens_not_requests():
 
 
 def test_weights_scale_a_tenants_share():
-    flow = controller(max_in_flight=1, tenants={"gold": TenantPolicy(weight=3.0)})
+    flow = controller(max_in_flight=1, tenants={"gold": TenantPolicy(weight=3.0)}, fairness_window_s=1e6)
     (current,) = fill(flow, 1)
     for _ in range(40):
         flow.arrive(flow.ticket("gold", None, None, 100, None, 0.0), 0.0)
@@ -90,22 +90,41 @@ def test_weights_scale_a_tenants_share():
     assert served == {"gold": 30, "plain": 10}
 
 
-def test_an_idle_tenant_banks_no_credit():
-    """A tenant that sent nothing for a while joins at the others' level, not at zero: it
-    does not then take every place until it has caught up."""
+def test_a_tenant_below_its_share_goes_first_even_in_a_burst():
+    """`busy` has been served for a while; `light` sends three requests at once after a
+    quiet spell: each goes before any more of `busy`'s."""
     flow = controller(max_in_flight=1)
     (current,) = fill(flow, 1)
     for _ in range(50):
         flow.arrive(flow.ticket("busy", None, None, 100, None, 0.0), 0.0)
-    for step in range(40):
-        (current,) = flow.done(current, float(step))
+    for step in range(20):
+        (current,) = flow.done(current, 0.1 * step)
+    for _ in range(3):
+        flow.arrive(flow.ticket("light", None, None, 100, None, 2.0), 2.0)
+    order = []
+    for step in range(5):
+        (current,) = flow.done(current, 2.0 + 0.1 * step)
+        order.append(current.tenant)
+    assert order == ["light", "light", "light", "busy", "busy"]
+
+
+def test_service_long_past_is_forgotten():
+    """Once more than several fairness windows have passed, two tenants share evenly again,
+    whatever one of them used before."""
+    flow = controller(max_in_flight=1, fairness_window_s=10.0)
+    (current,) = fill(flow, 1)
+    for _ in range(30):
+        flow.arrive(flow.ticket("old", None, None, 100, None, 0.0), 0.0)
+    for step in range(30):
+        (current,) = flow.done(current, 0.1 * step)
     for _ in range(10):
-        flow.arrive(flow.ticket("late", None, None, 100, None, 40.0), 40.0)
+        flow.arrive(flow.ticket("old", None, None, 100, None, 200.0), 200.0)
+        flow.arrive(flow.ticket("new", None, None, 100, None, 200.0), 200.0)
     order = []
     for step in range(10):
-        (current,) = flow.done(current, 40.0 + step)
+        (current,) = flow.done(current, 200.0 + 0.1 * step)
         order.append(current.tenant)
-    assert 4 <= order.count("late") <= 6, order
+    assert order.count("new") == 5, order
 
 
 def test_a_flooding_tenant_fills_only_its_own_part_of_a_full_queue():
