@@ -4,7 +4,9 @@ The core decides; it never sends. Whoever drives it (the proxy with sockets and 
 loop's clock, the offline simulator with virtual time) calls it at each step of a request
 and passes the time in:
 
-    admission   try_enter / join / hand_over / withdraw on `core.admission`
+    admission   try_enter / join / hand_over / withdraw on `core.admission`, or, with flow
+                control, arrive / saturated / placed / done / expire on `core.flow`
+                (routing/flow.py), each request priced by `flow_cost`
     candidates  `candidates(model, allowed regions, now)`: model, health, room, residency
     plan        `plan(route, features, prompt, candidates, origin region)`: the prediction
                 (approximate or precise index), the features, the policy's ranking

@@ -124,6 +124,8 @@ class _Class:
     tenants: OrderedDict[str, _Tenant] = field(default_factory=OrderedDict)
     queued: int = 0
     credit: float = 0.0
+    # When its last requests got a place: the share of the fleet it takes.
+    dispatched: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
 
 
 class FlowController:
@@ -198,6 +200,11 @@ class FlowController:
         if self.queued == 0 and self.in_flight < self.max_in_flight:
             self.in_flight += 1
             ticket.state = RUNNING
+            # Service is service, queued or not: who used the fleet before it saturated
+            # does not start level with who did not.
+            klass = self.by_name[ticket.klass]
+            klass.dispatched.append(now)
+            self._charge(self._tenant(klass, ticket.tenant, now), ticket, now)
             return GO, [], []
         displaced = self._enqueue(ticket, now, front=False)
         return WAIT, self.pump(now), displaced
@@ -273,23 +280,26 @@ class FlowController:
     def queued_in(self, klass: str) -> int:
         return self.by_name[klass].queued
 
-    def predicted_wait_s(self, ticket: Ticket) -> float:
-        """How long `ticket` would wait if queued now: the requests that go before it over
-        the rate at which places have been freeing."""
-        rate = self._rate()
+    def predicted_wait_s(self, ticket: Ticket, now: float) -> float:
+        """How long `ticket` would wait if queued now: the higher classes' queues over the
+        rate at which places have been freeing, then those before it in its own class over
+        what of that rate the higher classes' traffic leaves (at least its reserved share)."""
+        rate = _rate(self._completions, None)
         if rate <= 0:  # nothing has finished yet: no grounds to refuse, the deadline still holds
             return 0.0
-        return self._ahead(ticket) / rate
-
-    def _rate(self) -> float:
-        times = self._completions
-        if len(times) < 2 or times[-1] <= times[0]:
-            return 0.0
-        return (len(times) - 1) / (times[-1] - times[0])
+        own = self.by_name[ticket.klass]
+        higher = [c for c in self.classes if c.rank < own.rank]
+        left = rate - sum(_rate(c.dispatched, now) for c in higher)
+        left = max(left, own.spec.reserved_share * rate)
+        ahead_higher = sum(c.queued for c in higher)
+        if left <= 0:
+            return math.inf
+        return ahead_higher / rate + self._ahead(ticket) / left
 
     def _ahead(self, ticket: Ticket) -> float:
+        """Requests of its own class that would go before `ticket`, and itself."""
         own = self.by_name[ticket.klass]
-        ahead = float(sum(c.queued for c in self.classes if c.rank < own.rank))
+        ahead = 0.0
         tenant = own.tenants.get(ticket.tenant)
         mine = len(tenant.queue) if tenant is not None else 0
         weight = tenant.weight if tenant is not None else self._policy(ticket.tenant).weight
@@ -312,31 +322,26 @@ class FlowController:
         klass = self.by_name[ticket.klass]
         slo = ticket.ttft_slo_s
         waited = now - ticket.arrived
-        wait = self.predicted_wait_s(ticket)
+        wait = self.predicted_wait_s(ticket, now)
         if slo is not None and waited + wait + self.ttft_estimate_s > slo:
             raise refusal(TTFT_SLO, f"the predicted time to first token ({(waited + wait + self.ttft_estimate_s) * 1000:.0f} ms) "
                                     f"exceeds its target ({slo * 1000:g} ms)", self._retry_after(wait))
         if waited + wait > EARLY_REFUSAL_SHARE * self.queue_timeout_s:
             # It would time out in line: better told now, with the wait to expect.
-            raise refusal(WAIT_TOO_LONG, f"the predicted wait ({wait:.1f} s) exceeds limits.queue_timeout_s "
-                                         f"({self.queue_timeout_s} s)", self._retry_after(wait))
-        tenant = klass.tenants.get(ticket.tenant)
-        if tenant is None:
-            policy = self._policy(ticket.tenant)
-            tenant = _Tenant(policy.weight, policy.max_queued, 0.0, now)
-            klass.tenants[ticket.tenant] = tenant
-            self._trim_idle(klass)
+            raise refusal(WAIT_TOO_LONG, f"the predicted wait ({wait:.1f} s) would use up most of "
+                                         f"limits.queue_timeout_s ({self.queue_timeout_s:g} s)", self._retry_after(wait))
+        tenant = self._tenant(klass, ticket.tenant, now)
         if tenant.max_queued is not None and len(tenant.queue) >= tenant.max_queued:
-            raise refusal(TENANT_QUEUE_FULL, "this tenant's queue is full", self._retry_after(self.predicted_wait_s(ticket)))
+            raise refusal(TENANT_QUEUE_FULL, "this tenant's queue is full", self._retry_after(wait))
         displaced = []
         if self.queued >= self.max_queued or klass.queued >= klass.max_queued:
             victim = self._victim(klass, ticket.tenant, class_full=klass.queued >= klass.max_queued)
             if victim is None:
-                raise refusal(QUEUE_FULL, "the queue for its class is full", self._retry_after(self.predicted_wait_s(ticket)))
+                raise refusal(QUEUE_FULL, "the queue for its class is full", self._retry_after(wait))
             self._remove(victim, now)
             victim.state = ENDED
             victim.refusal = refusal(DISPLACED, "a request of higher priority or a smaller share took its place",
-                                     self._retry_after(self.predicted_wait_s(victim)))
+                                     self._retry_after(self.predicted_wait_s(victim, now)))
             displaced.append(victim)
         if front:
             tenant.queue.appendleft(ticket)
@@ -421,6 +426,18 @@ class FlowController:
                 return best
         return None
 
+    def _tenant(self, klass: _Class, name: str, now: float) -> _Tenant:
+        tenant = klass.tenants.get(name)
+        if tenant is None:
+            policy = self._policy(name)
+            tenant = klass.tenants[name] = _Tenant(policy.weight, policy.max_queued, 0.0, now)
+            self._trim_idle(klass, name)
+        return tenant
+
+    def _charge(self, tenant: _Tenant, ticket: Ticket, now: float) -> None:
+        tenant.attained = self._attained(tenant, now) + ticket.cost / tenant.weight
+        tenant.at = now
+
     def _attained(self, tenant: _Tenant, now: float) -> float:
         age = now - tenant.at
         return tenant.attained * math.exp(-age / self.fairness_window_s) if age > 0 else tenant.attained
@@ -432,8 +449,8 @@ class FlowController:
             tenant.queue.popleft()
         else:
             tenant.queue.remove(ticket)
-        tenant.attained = self._attained(tenant, now) + ticket.cost / tenant.weight
-        tenant.at = now
+        self._charge(tenant, ticket, now)
+        klass.dispatched.append(now)
         klass.queued -= 1
         self.queued -= 1
         ticket.queued_s += now - ticket.queued_at
@@ -452,7 +469,7 @@ class FlowController:
             else:
                 del self._reserved[ticket.model]
 
-    def _trim_idle(self, klass: _Class) -> None:
+    def _trim_idle(self, klass: _Class, keep: str) -> None:
         """Tenants with nothing queued are forgotten oldest first beyond `max_tenants`."""
         tenants = klass.tenants
         if len(tenants) <= self.max_tenants:
@@ -460,8 +477,16 @@ class FlowController:
         for name in list(tenants):
             if len(tenants) <= self.max_tenants:
                 break
-            if not tenants[name].queue:
+            if name != keep and not tenants[name].queue:
                 del tenants[name]
+
+
+def _rate(times: deque[float], now: float | None) -> float:
+    """Events a second over `times`; with `now`, counting the quiet since the last one."""
+    if len(times) < 2:
+        return 0.0
+    span = (now if now is not None else times[-1]) - times[0]
+    return (len(times) - 1) / span if span > 0 else 0.0
 
 
 # How far into a tenant's queue to look past requests for models with no room.

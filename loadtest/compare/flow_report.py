@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import copy
 import dataclasses
 import statistics
 import sys
@@ -86,12 +87,26 @@ def live_runner(time_scale: float) -> Callable[[Workload, Mapping[str, Any]], li
     async def run(workload: Workload, config: Mapping[str, Any]) -> list[RequestRecord]:
         async with LiveFleet(REPLICAS, time_scale=time_scale) as fleet:
             await fleet.start_replicas()
-            target = await fleet.start_kvlb(POLICY, max_concurrency=CAP, extra=config)
+            target = await fleet.start_kvlb(POLICY, max_concurrency=CAP, extra=in_real_time(config, time_scale))
             records, _ = await run_load(target, workload.requests, time_scale=time_scale, progress=False,
                                         max_concurrency=4096, timeout_s=120)
             return records
 
     return lambda workload, config: asyncio.run(run(workload, config))
+
+
+def in_real_time(config: Mapping[str, Any], time_scale: float) -> dict[str, Any]:
+    """The configuration's times (model time) as kvlb must read them in front of replicas
+    running `time_scale` times faster than their profile: its clock is the real one."""
+    out = copy.deepcopy(dict(config))
+    out["limits"]["queue_timeout_s"] = config["limits"]["queue_timeout_s"] / time_scale
+    flow = out.get("flow_control")
+    if flow is not None:
+        flow["fairness_window_s"] = 10.0 / time_scale
+        for klass in flow["classes"]:
+            if "ttft_slo_ms" in klass:
+                klass["ttft_slo_ms"] = klass["ttft_slo_ms"] / time_scale
+    return out
 
 
 def scenarios(fleet_capacity: Mapping[str, float]) -> list[dict[str, Any]]:

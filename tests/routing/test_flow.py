@@ -14,6 +14,7 @@ from balancer.routing.flow import (
     TENANT_QUEUE_FULL,
     TTFT_SLO,
     WAIT,
+    WAIT_TOO_LONG,
     FlowClass,
     FlowController,
     TenantPolicy,
@@ -174,8 +175,8 @@ def test_a_target_that_cannot_be_met_is_refused_at_once():
         flow.arrive(flow.ticket("bg", "critical", None, 100, 100.0, 0.0), 0.0)
     for step in range(10):
         (current,) = flow.done(current, 0.1 * step)
-    assert flow.predicted_wait_s(flow.ticket("bg", "critical", None, 100, None, 1.0)) == pytest.approx(5.1, rel=0.05)
-    assert flow.predicted_wait_s(flow.ticket("x", "critical", None, 100, None, 1.0)) == pytest.approx(0.2, rel=0.05)
+    assert flow.predicted_wait_s(flow.ticket("bg", "critical", None, 100, None, 1.0), 1.0) == pytest.approx(5.1, rel=0.05)
+    assert flow.predicted_wait_s(flow.ticket("x", "critical", None, 100, None, 1.0), 1.0) == pytest.approx(0.2, rel=0.05)
     assert flow.arrive(flow.ticket("x", "critical", None, 100, None, 1.0), 1.0)[0] == WAIT
     urgent = flow.ticket("bg", "critical", None, 100, None, 1.0)
     with pytest.raises(ClientError) as refused:
@@ -184,6 +185,29 @@ def test_a_target_that_cannot_be_met_is_refused_at_once():
     # A request without a target in the same state waits.
     patient = flow.ticket("x", "standard", None, 100, None, 1.0)
     assert flow.arrive(patient, 1.0)[0] == WAIT
+
+
+def test_a_lower_class_is_told_at_once_when_higher_traffic_leaves_it_no_room():
+    """Places have freed at 10 a second, and critical traffic took 9 of them: batch requests
+    of a flooding tenant queue while their predicted wait (one a second each) fits the 10 s
+    queue timeout, and are refused at once beyond it rather than after waiting it out."""
+    flow = controller(max_in_flight=1000)
+    for i in range(100):
+        t = i * 0.1
+        ticket = flow.ticket("a", "batch" if i % 10 == 0 else "critical", None, 100, None, t)
+        assert flow.arrive(ticket, t)[0] == GO
+        flow.done(ticket, t + 0.05)
+    flow.max_in_flight = 1
+    fill(flow, 1, now=10.0)
+    outcomes = []
+    for _ in range(12):
+        try:
+            outcomes.append(flow.arrive(flow.ticket("bulk", "batch", None, 100, None, 10.0), 10.0)[0])
+        except ClientError as refused:
+            outcomes.append(refused.code)
+            assert refused.retry_after >= 8
+    first = outcomes.index(WAIT_TOO_LONG)  # about one a second of waiting each, refused past 8 s
+    assert 6 <= first <= 9 and outcomes == [WAIT] * first + [WAIT_TOO_LONG] * (12 - first), outcomes
 
 
 def test_a_queued_request_expires_when_its_target_passes():
