@@ -27,6 +27,7 @@ test-engine: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m loadtest.bench.proxy
 	$(PY) -m loadtest.bench.stream
+	$(PY) -m loadtest.bench.flow
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

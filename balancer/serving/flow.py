@@ -16,13 +16,17 @@ class FlowGate:
         self.flow = flow
         self.metrics = FlowMetrics(flow)
 
-    async def enter(self, ticket: Ticket) -> None:
-        """Until the request may look for a replica; raises its refusal."""
-        now = asyncio.get_running_loop().time()
+    def try_enter(self, ticket: Ticket, now: float) -> bool:
+        """True: the request may look for a replica now; False: it must `wait`. Raises its
+        refusal. (Not a coroutine: below saturation nothing here may cost an await.)"""
         outcome, woken, displaced = self.flow.arrive(ticket, now)
-        self._wake(woken, displaced)
-        if outcome != GO:
-            await self._wait(ticket)
+        if woken or displaced:
+            self._wake(woken, displaced)
+        return outcome == GO
+
+    async def wait(self, ticket: Ticket) -> None:
+        """Until its turn comes; raises its refusal."""
+        await self._wait(ticket)
 
     async def saturated(self, ticket: Ticket) -> None:
         """No replica had room: wait, keeping its turn, until one may."""
@@ -30,8 +34,10 @@ class FlowGate:
         self._wake(woken, displaced)
         await self._wait(ticket)
 
-    def done(self, ticket: Ticket) -> None:
-        self._wake(self.flow.done(ticket, asyncio.get_running_loop().time()), ())
+    def done(self, ticket: Ticket, now: float) -> None:
+        woken = self.flow.done(ticket, now)
+        if woken:
+            self._wake(woken, ())
 
     async def _wait(self, ticket: Ticket) -> None:
         if ticket.state == RUNNING:  # dispatched at once, by the call that queued it

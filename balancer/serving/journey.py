@@ -92,7 +92,8 @@ class Forwarder:
                 outcome.model = features.model or ""
                 if self.flow is not None:
                     ticket = self._ticket(request, features, started)
-                    await self.flow.enter(ticket)
+                    if not self.flow.try_enter(ticket, started):
+                        await self.flow.wait(ticket)
                 else:
                     await self.admission.acquire()
                     admitted = True
@@ -121,11 +122,12 @@ class Forwarder:
         finally:
             if admitted:
                 self.admission.release()
-            elapsed = loop.time() - started
+            ended = loop.time()
+            elapsed = ended - started
             ttft = None if outcome.first_byte_at is None else outcome.first_byte_at - started
             if ticket is not None:
                 assert self.flow is not None
-                self.flow.done(ticket)
+                self.flow.done(ticket, ended)
                 if ttft is not None and outcome.answered:
                     self.flow.flow.first_byte(ticket, ttft - ticket.queued_s)
                 self.flow.metrics.observe(ticket, outcome.status, outcome.error, ttft)

@@ -72,11 +72,12 @@ async def run_upstream(port: int) -> None:
         await server.serve_forever()
 
 
-async def measure(url: str, concurrency: int, total: int, body: bytes = BODY) -> tuple[float, list[float]]:
+async def measure(url: str, concurrency: int, total: int, body: bytes = BODY,
+                  extra_headers: dict[str, str] | None = None) -> tuple[float, list[float]]:
     """Closed loop: `concurrency` workers send `total` requests; returns wall time and latencies."""
     latencies: list[float] = []
     connector = aiohttp.TCPConnector(limit=concurrency)
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", **(extra_headers or {})}
     async with aiohttp.ClientSession(connector=connector) as http:
         remaining = total
 
