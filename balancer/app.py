@@ -28,6 +28,7 @@ from balancer.serving.proxy import Proxy
 from balancer.serving.request_ids import RequestIds, make_error_answer
 from balancer.serving.routes import Routes, admin_only
 from balancer.watchers.dns import DnsDiscovery, Resolver, system_resolver
+from balancer.watchers.flow_share import FlowShare
 from balancer.watchers.health import HealthChecker
 from balancer.watchers.kv_events import KvEventsCollector, KvEventSubscriber
 from balancer.watchers.models import ModelWatcher
@@ -72,6 +73,9 @@ class Balancer:
         if settings.sync.redis_url is not None:
             self.sync = StateSync(settings.sync, self.fleet, self.tracker)
             self.metrics.registry.register(SyncCollector(self.sync.stats))
+            if self.core.flow is not None:
+                self.sync.flow_share = FlowShare(self.core.flow, settings.sync.key_prefix, self.sync.instance_id,
+                                                 settings.sync.load_ttl_s)
         key = replica_key(settings.auth)
         self.proxy = Proxy(
             settings, self.metrics, self.pool, self.core,

@@ -152,3 +152,21 @@ def usage_reporting_app(*, natural_length: int = 20, token_gap_s: float = 0.0,
     app.router.add_post("/v1/completions", complete)
     app.router.add_get("/health", healthy)
     return app
+
+
+def ordered_app(order: list[str], hold_s: dict[str, float], default_s: float = 0.05) -> web.Application:
+    """Answers each completion after a pause (its prompt's entry in `hold_s`), noting the
+    order prompts arrived in."""
+
+    async def complete(request: web.Request) -> web.Response:
+        body = await request.json()
+        order.append(body["prompt"])
+        await asyncio.sleep(hold_s.get(body["prompt"], default_s))
+        return web.json_response({"id": "x", "object": "text_completion", "model": "m",
+                                  "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
+                                  "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    app.router.add_get("/health", healthy)
+    return app

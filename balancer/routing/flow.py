@@ -126,6 +126,11 @@ class _Class:
     credit: float = 0.0
     # When its last requests got a place: the share of the fleet it takes.
     dispatched: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
+    # Other instances' share (through Redis): per tenant its attained service as of
+    # `remote_at`, and its requests waiting there.
+    remote: dict[str, float] = field(default_factory=dict)
+    remote_queued: dict[str, int] = field(default_factory=dict)
+    remote_at: float = 0.0
 
 
 class FlowController:
@@ -163,6 +168,7 @@ class FlowController:
         self._labels: OrderedDict[str, None] = OrderedDict()
         self._completions: deque[float] = deque(maxlen=RATE_WINDOW)
         self.ttft_estimate_s = 0.0  # after dispatch, learned from answers (`first_byte`)
+        self.remote_peers = 0  # instances whose shares count here (watchers/flow_share.py)
 
     # -- who the request is --------------------------------------------------------------
 
@@ -275,6 +281,33 @@ class FlowController:
             woken.append(ticket)
         return woken
 
+    # -- other instances -------------------------------------------------------------------
+
+    def shared_state(self, now: float) -> list[list[Any]]:
+        """This instance's share, for its peers: [class, tenant, attained service now,
+        requests waiting] for each tenant that has any."""
+        out = []
+        for klass in self.classes:
+            for name, tenant in klass.tenants.items():
+                attained = self._attained(tenant, now)
+                if attained >= 1.0 or tenant.queue:
+                    out.append([klass.spec.name, name, attained, len(tenant.queue)])
+        return out
+
+    def set_remote(self, shares: Mapping[tuple[str, str], tuple[float, int]], now: float, peers: int) -> None:
+        """The other instances' shares together, as of `now`: per (class, tenant) the
+        attained service and the requests waiting. Empty: enforce locally."""
+        for klass in self.classes:
+            klass.remote, klass.remote_queued, klass.remote_at = {}, {}, now
+        for (class_name, tenant), (attained, queued) in shares.items():
+            klass = self.by_name.get(class_name)
+            if klass is None or len(klass.remote) >= self.max_tenants:
+                continue  # a class this instance does not have; or more tenants than it keeps
+            klass.remote[tenant] = attained
+            if queued:
+                klass.remote_queued[tenant] = queued
+        self.remote_peers = peers
+
     # -- reading ----------------------------------------------------------------------------
 
     def queued_in(self, klass: str) -> int:
@@ -331,7 +364,8 @@ class FlowController:
             raise refusal(WAIT_TOO_LONG, f"the predicted wait ({wait:.1f} s) would use up most of "
                                          f"limits.queue_timeout_s ({self.queue_timeout_s:g} s)", self._retry_after(wait))
         tenant = self._tenant(klass, ticket.tenant, now)
-        if tenant.max_queued is not None and len(tenant.queue) >= tenant.max_queued:
+        if tenant.max_queued is not None and (
+                len(tenant.queue) + klass.remote_queued.get(ticket.tenant, 0) >= tenant.max_queued):
             raise refusal(TENANT_QUEUE_FULL, "this tenant's queue is full", self._retry_after(wait))
         displaced = []
         if self.queued >= self.max_queued or klass.queued >= klass.max_queued:
@@ -413,11 +447,11 @@ class FlowController:
                 order = [due] + [c for c in waiting if c is not due]
         for klass in order:
             best, best_key = None, None
-            for tenant in klass.tenants.values():
+            for name, tenant in klass.tenants.items():
                 head = _first_with_room(tenant.queue, full)
                 if head is None:
                     continue
-                key = (self._attained(tenant, now), head.seq)
+                key = (self._attained(tenant, now, klass, name), head.seq)
                 if best_key is None or key < best_key:
                     best, best_key = head, key
             if best is not None:
@@ -438,9 +472,12 @@ class FlowController:
         tenant.attained = self._attained(tenant, now) + ticket.cost / tenant.weight
         tenant.at = now
 
-    def _attained(self, tenant: _Tenant, now: float) -> float:
+    def _attained(self, tenant: _Tenant, now: float, klass: _Class | None = None, name: str = "") -> float:
         age = now - tenant.at
-        return tenant.attained * math.exp(-age / self.fairness_window_s) if age > 0 else tenant.attained
+        own = tenant.attained * math.exp(-age / self.fairness_window_s) if age > 0 else tenant.attained
+        if klass is None or not klass.remote:
+            return own
+        return own + klass.remote.get(name, 0.0) * math.exp(-max(now - klass.remote_at, 0.0) / self.fairness_window_s)
 
     def _dispatch(self, ticket: Ticket, now: float) -> None:
         klass = self.by_name[ticket.klass]

@@ -11,10 +11,17 @@ from balancer.routing.flow import GO, RUNNING, FlowController, Ticket
 from balancer.serving.flow_metrics import FlowMetrics
 
 
+# While requests wait, how often places are looked for besides when a request ends here:
+# room that frees on its own (another instance's request ending, a replica back from an
+# ejection or joining the fleet) then reaches them within this.
+PUMP_S = 0.05
+
+
 class FlowGate:
     def __init__(self, flow: FlowController) -> None:
         self.flow = flow
         self.metrics = FlowMetrics(flow)
+        self._pumping: asyncio.TimerHandle | None = None
 
     def try_enter(self, ticket: Ticket, now: float) -> bool:
         """True: the request may look for a replica now; False: it must `wait`. Raises its
@@ -45,6 +52,8 @@ class FlowGate:
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         ticket.waiter = waiter
+        if self._pumping is None:
+            self._pumping = loop.call_later(PUMP_S, self._pump)
         try:
             async with asyncio.timeout_at(ticket.deadline):
                 await waiter
@@ -57,6 +66,16 @@ class FlowGate:
             ticket.waiter = None
         if ticket.refusal is not None:
             raise ticket.refusal
+
+    def _pump(self) -> None:
+        self._pumping = None
+        flow = self.flow
+        if not flow.queued:
+            return
+        loop = asyncio.get_running_loop()
+        self._wake(flow.pump(loop.time()), ())
+        if flow.queued:
+            self._pumping = loop.call_later(PUMP_S, self._pump)
 
     @staticmethod
     def _wake(woken: Iterable[Ticket], displaced: Iterable[Ticket]) -> None:

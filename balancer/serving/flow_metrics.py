@@ -69,6 +69,9 @@ class FlowMetrics(Collector):
         for key, count in list(self.slo.items()):
             slo.add_metric(list(key), count)
         yield slo
+        yield GaugeMetricFamily(
+            "kvlb_flow_shared_peers", "Other instances whose tenants' shares flow control counts (through "
+            "Redis, sync.redis_url); 0: it enforces on this instance's own state", value=self.flow.remote_peers)
         queued = GaugeMetricFamily("kvlb_flow_queued_requests", "Requests waiting in flow control now",
                                    labels=["class"])
         for name in self.flow.by_name:

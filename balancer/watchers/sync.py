@@ -14,6 +14,8 @@ Three things travel, all in background tasks; a request never waits for Redis:
   entry, and an entry goes out when only the load changed, so peers see a request end within
   a batch interval. A replica's load is this instance's own plus the peers' newest
   snapshots (`Replica.set_remote_load`).
+- Flow control's shares, with the load: each tenant's attained service and waiting requests
+  (`watchers/flow_share.py`).
 - Membership. That key is also the heartbeat: an instance that dies stops refreshing it, and
   its load vanishes from everyone's view within `load_ttl_s`.
 
@@ -51,6 +53,7 @@ from balancer.logs import ThrottledWarnings
 from balancer.protocol import METRIC_SYNC_LAG
 from balancer.routing.fleet import Fleet
 from balancer.routing.tracker import CacheTracker
+from balancer.watchers.flow_share import FlowShare
 
 log = logging.getLogger("kvlb.sync")
 
@@ -157,6 +160,8 @@ class StateSync:
         self._warnings = ThrottledWarnings(log, WARN_EVERY_S, MAX_DEPARTED)
         if tracker is not None:
             tracker.on_record = self.routed
+        # Flow control's shares ride on the load exchange (watchers/flow_share.py).
+        self.flow_share: FlowShare | None = None
 
     # -- the request path: an append, nothing more ---------------------------------------
 
@@ -188,6 +193,8 @@ class StateSync:
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             await self._publish_once()
             await self.redis.delete(self.instance_prefix + self.instance_id, self.stream_key)
+            if self.flow_share is not None:
+                await self.flow_share.leave(self.redis)
         for replica in self.fleet.replicas:
             replica.set_remote_load(0, 0, 0)
         for client in (self.redis, self.reader):
@@ -372,11 +379,15 @@ class StateSync:
         for peer in self._peer_loads.keys() - alive:
             del self._peer_loads[peer]  # its key lapsed: it died or left
         self._apply_peer_loads()
+        if self.flow_share is not None:
+            await self.flow_share.exchange(self.redis)
         self._peers_seen_at = time.monotonic()
 
     def _forget_peers(self) -> None:
         self._peer_loads.clear()
         self._apply_peer_loads()
+        if self.flow_share is not None:
+            self.flow_share.forget()
 
 
 def _events_of(fields: dict[bytes, Any]) -> tuple[list[list[Any]], array]:

@@ -8,11 +8,10 @@ import time
 from contextlib import AsyncExitStack
 
 import aiohttp
-from aiohttp import web
 
 from balancer.logs import LOG_FIELDS
 from tests.conftest import make_settings, run_balancer, serve_app
-from tests.upstreams import healthy
+from tests.upstreams import ordered_app
 
 MINIMAL = {
     "enabled": True,
@@ -20,24 +19,6 @@ MINIMAL = {
     "classes": [{"name": "critical", "ttft_slo_ms": 2000}, {"name": "standard"}, {"name": "batch", "sheddable": True}],
     "default_class": "standard",
 }
-
-
-def ordered_app(order: list[str], hold_s: dict[str, float], default_s: float = 0.05) -> web.Application:
-    """Answers each completion after a pause (its prompt's entry in `hold_s`), noting the
-    order prompts arrived in."""
-
-    async def complete(request: web.Request) -> web.Response:
-        body = await request.json()
-        order.append(body["prompt"])
-        await asyncio.sleep(hold_s.get(body["prompt"], default_s))
-        return web.json_response({"id": "x", "object": "text_completion", "model": "m",
-                                  "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
-                                  "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", complete)
-    app.router.add_get("/health", healthy)
-    return app
 
 
 async def post(http, url, prompt, headers=None):

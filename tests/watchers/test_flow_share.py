@@ -1,0 +1,98 @@
+"""Flow control across two kvlb instances sharing a real Redis (balancer/watchers/flow_share.py):
+one per-tenant bound and one fair share between them, and each on its own when Redis goes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import aiohttp
+import pytest
+
+from tests.conftest import make_settings, run_balancer, serve_app
+from tests.serving.test_flow_control import MINIMAL, post, queued
+from tests.upstreams import ordered_app
+
+
+@contextlib.asynccontextmanager
+async def two_instances(redis_server, order, hold_s, **flow):
+    sync = redis_server.sync_settings(load_interval_s=0.05, load_ttl_s=0.5, timeout_s=0.2)
+    async with serve_app(ordered_app(order, hold_s)) as url:
+        settings = make_settings([{"url": url, "name": "only", "model": "m", "max_concurrency": 1}],
+                                 flow_control={**MINIMAL, **flow}, sync=sync)
+        async with run_balancer(settings) as a, run_balancer(settings) as b:
+            await until(lambda: a.balancer.core.flow.remote_peers == 1 and b.balancer.core.flow.remote_peers == 1)
+            yield a, b
+
+
+async def until(condition, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def remote_queued(running, tenant: str) -> int:
+    return running.balancer.core.flow.by_name["standard"].remote_queued.get(tenant, 0)
+
+
+async def test_a_tenants_bound_on_waiting_requests_holds_across_instances(redis_server):
+    order: list[str] = []
+    async with two_instances(redis_server, order, {"blocker": 1.0}, max_queued_per_tenant=3) as (a, b), \
+            aiohttp.ClientSession() as http:
+        blocker = asyncio.create_task(post(http, a.url, "blocker"))
+        await until(lambda: "blocker" in order)
+        waiting = [asyncio.create_task(post(http, a.url, f"noisy-{n}", {"x-kvlb-tenant": "noisy"}))
+                   for n in range(3)]
+        await queued(a, 3)
+        # B learns of A's load and of the tenant's three waiting there.
+        await until(lambda: b.balancer.fleet.replicas[0].in_flight >= 1 and remote_queued(b, "noisy") == 3)
+        status, headers, _ = await post(http, b.url, "noisy-b", {"x-kvlb-tenant": "noisy"})
+        assert status == 429 and headers["x-kvlb-reject-reason"] == "tenant_queue_full"
+        # Another tenant is not held to it.
+        other = asyncio.create_task(post(http, b.url, "other", {"x-kvlb-tenant": "other"}))
+        results = await asyncio.gather(blocker, other, *waiting)
+    assert [status for status, _, _ in results] == [200] * 5
+
+
+async def test_service_on_one_instance_counts_in_the_fair_share_on_another(redis_server):
+    order: list[str] = []
+    async with two_instances(redis_server, order, {"blocker": 0.5}, fairness_window_s=60) as (a, b), \
+            aiohttp.ClientSession() as http:
+        for n in range(10):  # the noisy tenant has used the fleet, all through A
+            assert (await post(http, a.url, f"warm-{n}", {"x-kvlb-tenant": "noisy"}))[0] == 200
+        standard = b.balancer.core.flow.by_name["standard"]
+        await until(lambda: standard.remote.get("noisy", 0.0) > 0)
+        blocker = asyncio.create_task(post(http, b.url, "blocker", {"x-kvlb-tenant": "third"}))
+        await until(lambda: "blocker" in order)
+        first = asyncio.create_task(post(http, b.url, "noisy-on-b", {"x-kvlb-tenant": "noisy"}))
+        await queued(b, 1)
+        second = asyncio.create_task(post(http, b.url, "steady-on-b", {"x-kvlb-tenant": "steady"}))
+        await queued(b, 2)
+        await asyncio.gather(blocker, first, second)
+    # On B alone both tenants are new and the older request would go first; together, the
+    # noisy tenant has had its share through A.
+    assert order[-3:] == ["blocker", "steady-on-b", "noisy-on-b"]
+
+
+async def test_without_redis_each_instance_enforces_on_its_own(redis_server):
+    if not redis_server.private:
+        pytest.skip("needs a private redis-server to stop")
+    order: list[str] = []
+    async with two_instances(redis_server, order, {"blocker": 1.5}, max_queued_per_tenant=3) as (a, b), \
+            aiohttp.ClientSession() as http:
+        blocker = asyncio.create_task(post(http, a.url, "blocker"))
+        await until(lambda: "blocker" in order)
+        waiting = [asyncio.create_task(post(http, a.url, f"noisy-{n}", {"x-kvlb-tenant": "noisy"}))
+                   for n in range(3)]
+        await queued(a, 3)
+        await until(lambda: remote_queued(b, "noisy") == 3)
+        redis_server.stop()
+        await until(lambda: b.balancer.core.flow.remote_peers == 0)
+        async with http.get(b.url + "/metrics") as resp:
+            assert "kvlb_flow_shared_peers 0.0" in await resp.text()
+        # B's own bound again: the tenant has nothing waiting on B.
+        late = asyncio.create_task(post(http, b.url, "noisy-b", {"x-kvlb-tenant": "noisy"}))
+        results = await asyncio.gather(blocker, late, *waiting)
+        redis_server.start()
+    assert [status for status, _, _ in results] == [200] * 5
