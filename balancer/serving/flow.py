@@ -10,7 +10,6 @@ from collections.abc import Iterable
 from balancer.routing.flow import GO, RUNNING, FlowController, Ticket
 from balancer.serving.flow_metrics import FlowMetrics
 
-
 # While requests wait, how often places are looked for besides when a request ends here:
 # room that frees on its own (another instance's request ending, a replica back from an
 # ejection or joining the fleet) then reaches them within this.
