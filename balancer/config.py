@@ -422,6 +422,9 @@ class FlowControlSettings:
     # How long a tenant's service is remembered in the fair share (its time constant): a
     # tenant that used little for this long goes ahead of one that used much.
     fairness_window_s: float = _checked(10.0, _positive)
+    # Places kept free for lighter tenants while the heaviest one of a class floods: they
+    # then find one at once, for at most this many places of the heaviest one's throughput.
+    headroom_places: int = _checked(1, _at_least(0))
     # Tenants named by headers get metric labels and fair-share state up to this many.
     max_tenants: int = _checked(1024, _at_least(1))
 

@@ -77,4 +77,5 @@ def flow_controller(settings: Settings, fleet: Fleet) -> FlowController | None:
         classes, flow.default_class, limits.max_in_flight, limits.max_queued, limits.queue_timeout_s,
         lambda model, now: fleet.free_slots(model, now, UNBOUNDED), tenants, flow.max_tenants,
         default_max_queued=flow.max_queued_per_tenant, fairness_window_s=flow.fairness_window_s,
+        headroom_places=flow.headroom_places,
     )

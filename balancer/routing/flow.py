@@ -15,6 +15,9 @@ While requests wait:
   with a time constant of `fairness_window_s`, and the waiting tenant with the least goes
   next. A tenant sending below its share therefore goes ahead of one flooding the class,
   even in a burst of its own; a tenant idle for much longer than the window starts level.
+- **Headroom**: the last `headroom_places` free places of a model do not go to the tenant
+  that has had the most service in its class while others have had some, so a lighter
+  tenant's request finds a place at once instead of waiting for the next one to free.
 - **Bounds**: all queues together (`limits.max_queued`), each class and each tenant. A full
   queue first pushes out what matters least: a queued request of a lower class (sheddable
   classes first), else the newest request of the tenant holding the largest share of the
@@ -114,6 +117,7 @@ class _Tenant:
     attained: float = 0.0  # tokens dispatched over weight, faded to `at`
     at: float = 0.0
     queue: deque[Ticket] = field(default_factory=deque)
+    running: int = 0  # its requests admitted here and not yet ended
 
 
 @dataclass(slots=True)
@@ -146,6 +150,7 @@ class FlowController:
         max_tenants: int = 1024,
         default_max_queued: int | None = None,
         fairness_window_s: float = 10.0,
+        headroom_places: int = 0,
     ) -> None:
         self.classes = [_Class(spec, rank, spec.max_queued if spec.max_queued is not None else max_queued)
                         for rank, spec in enumerate(classes)]
@@ -161,6 +166,7 @@ class FlowController:
         self.default_tenant = TenantPolicy(max_queued=default_max_queued)
         self.max_tenants = max_tenants
         self.fairness_window_s = fairness_window_s
+        self.headroom_places = headroom_places
         self.in_flight = 0
         self.queued = 0
         self._seq = 0
@@ -210,7 +216,9 @@ class FlowController:
             # does not start level with who did not.
             klass = self.by_name[ticket.klass]
             klass.dispatched.append(now)
-            self._charge(self._tenant(klass, ticket.tenant, now), ticket, now)
+            tenant = self._tenant(klass, ticket.tenant, now)
+            tenant.running += 1
+            self._charge(tenant, ticket, now)
             return GO, [], []
         displaced = self._enqueue(ticket, now, front=False)
         return WAIT, self.pump(now), displaced
@@ -222,6 +230,7 @@ class FlowController:
         assert ticket.state == RUNNING
         self._unreserve(ticket)
         self.in_flight -= 1
+        self._ended(ticket)
         ticket.state = NEW
         displaced = self._enqueue(ticket, now, front=True)
         # Its place may go to a request for another model that has room.
@@ -242,6 +251,7 @@ class FlowController:
         if ticket.state == RUNNING:
             self._unreserve(ticket)
             self.in_flight -= 1
+            self._ended(ticket)
             self._completions.append(now)
         elif ticket.state == QUEUED:
             self._remove(ticket, now)
@@ -274,7 +284,10 @@ class FlowController:
             if ticket is None:
                 break
             model = ticket.model
-            if self._free_slots(model, now) - self._reserved.get(model, 0) <= 0:
+            free = self._free_slots(model, now) - self._reserved.get(model, 0)
+            if free <= 0 or (free <= self.headroom_places and self._heaviest(ticket, now)):
+                # The last places stay for the class's lighter tenants, who then find one
+                # at once rather than waiting for the next request to end.
                 full.add(model)
                 continue
             self._dispatch(ticket, now)
@@ -460,6 +473,34 @@ class FlowController:
                 return best
         return None
 
+    def _ended(self, ticket: Ticket) -> None:
+        tenant = self.by_name[ticket.klass].tenants.get(ticket.tenant)
+        if tenant is not None:
+            tenant.running -= 1
+
+    def _heaviest(self, ticket: Ticket, now: float) -> bool:
+        """Whether `ticket`'s tenant has had the most service in its class while another
+        tenant has had some too, and holds more places than the headroom: then it is never
+        held back to nothing, however small the fleet."""
+        klass = self.by_name[ticket.klass]
+        own = klass.tenants[ticket.tenant]
+        if own.running <= self.headroom_places:
+            return False
+        mine = self._attained(own, now, klass, ticket.tenant)
+        others = False
+        for name, tenant in klass.tenants.items():
+            if name == ticket.tenant:
+                continue
+            attained = self._attained(tenant, now, klass, name)
+            if attained > mine:
+                return False
+            others = others or attained >= 1.0
+        for name, attained in klass.remote.items():
+            if name not in klass.tenants and attained > mine:
+                return False
+            others = others or attained >= 1.0
+        return others
+
     def _tenant(self, klass: _Class, name: str, now: float) -> _Tenant:
         tenant = klass.tenants.get(name)
         if tenant is None:
@@ -487,6 +528,7 @@ class FlowController:
         else:
             tenant.queue.remove(ticket)
         self._charge(tenant, ticket, now)
+        tenant.running += 1
         klass.dispatched.append(now)
         klass.queued -= 1
         self.queued -= 1
@@ -514,7 +556,7 @@ class FlowController:
         for name in list(tenants):
             if len(tenants) <= self.max_tenants:
                 break
-            if name != keep and not tenants[name].queue:
+            if name != keep and not tenants[name].queue and not tenants[name].running:
                 del tenants[name]
 
 

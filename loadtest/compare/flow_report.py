@@ -131,7 +131,7 @@ def scenarios(fleet_capacity: Mapping[str, float]) -> list[dict[str, Any]]:
 
 
 def run_all(run: Callable[[Workload, Mapping[str, Any]], list[RequestRecord]], plan: list[dict[str, Any]],
-            mode: str) -> list[str]:
+            mode: str, out: Path, tag: str) -> list[str]:
     lines = [f"## {mode}", ""]
     for scenario in plan:
         workload = load_workload(scenario["spec"])
@@ -148,7 +148,44 @@ def run_all(run: Callable[[Workload, Mapping[str, Any]], list[RequestRecord]], p
         lines += [f"### {scenario['name']}", "", f"Workload `{scenario['spec']}`: {workload.description}.", ""]
         lines += figures_table(figures, by)
         lines += [""] + verdict(scenario, figures, records) + [""]
+        name = f"{tag}-{scenario['name'].split(',')[0].replace(' ', '-').replace('.', '_')}.png"
+        if plot_groups(records, by, out / name, f"{scenario['name']} ({tag})"):
+            lines += [f"![TTFT per {by} over time]({name})", ""]
     return lines
+
+
+def plot_groups(records: Mapping[str, Sequence[RequestRecord]], by: str, path: Path, title: str) -> bool:
+    """Each run's served requests, TTFT against send time, one colour per tenant or class;
+    refused ones as crosses at the bottom. False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    runs = list(records)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(8, 2.4 * len(runs) + 0.6), sharex=True, squeeze=False)
+    groups = sorted({getattr(r, by) or "-" for recs in records.values() for r in recs})
+    colours = {g: f"C{i}" for i, g in enumerate(groups)}
+    for ax, run in zip(axes[:, 0], runs, strict=True):
+        for group in groups:
+            rows = [r for r in records[run] if (getattr(r, by) or "-") == group]
+            ok = [r for r in rows if r.ok and r.ttft_s]
+            ax.scatter([r.send_s for r in ok], [r.ttft_s for r in ok], s=3, color=colours[group], label=group)
+            refused = [r.send_s for r in rows if not r.ok]
+            ax.scatter(refused, [0.002] * len(refused), s=6, marker="x", color=colours[group], alpha=0.3)
+        ax.set_yscale("log")
+        ax.set_ylabel("TTFT (s)")
+        ax.set_title(run, fontsize=9)
+        ax.grid(True, alpha=0.3)
+    axes[0, 0].legend(fontsize=7, markerscale=3, loc="upper left")
+    axes[-1, 0].set_xlabel("send time (s, model time); crosses: refused")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
 
 
 def verdict(scenario: Mapping[str, Any], figures: Mapping[str, Mapping[str, GroupFigures]],
@@ -225,10 +262,10 @@ def main(argv: Sequence[str] | None = None) -> int:
              "(sheddable); the goodput run gives standard 5 s and batch 20 s targets too. Times are model "
              "time. `python -m loadtest.compare.flow_report --out DIR" + (" --live" if args.live else "")
              + "` writes this report.", ""]
-    lines += run_all(offline, plan, "offline (kvlb simulate)")
+    lines += run_all(offline, plan, "offline (kvlb simulate)", out, "offline")
     if args.live:
         lines += run_all(live_runner(args.time_scale), plan,
-                         f"live (kvlb serve, simulated replica processes at time scale {args.time_scale:g})")
+                         f"live (kvlb serve, simulated replica processes at time scale {args.time_scale:g})", out, "live")
     (out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -269,3 +269,53 @@ def test_unknown_class_falls_to_the_tenants_then_the_default():
     plain = flow.ticket("someone", None, None, 1, None, 0.0)
     assert plain.klass == "standard" and plain.ttft_slo_s is None
     assert flow.ticket("vip", None, None, 1, None, 0.0).ttft_slo_s == 2.0
+
+
+def test_the_last_free_place_waits_for_a_lighter_tenant():
+    room = {"m": 10}
+    flow = controller(max_in_flight=100, free=lambda model, now: room[model], headroom_places=1)
+    light = flow.ticket("light", None, "m", 100, None, 0.0)
+    assert flow.arrive(light, 0.0)[0] == GO
+    flow.done(light, 0.1)
+    heavy = [flow.ticket("heavy", None, "m", 100, None, 0.2) for _ in range(12)]
+    for ticket in heavy[:10]:
+        assert flow.arrive(ticket, 0.2)[0] == GO
+    room["m"] = 0  # every place taken
+    for ticket in heavy[10:]:
+        if flow.arrive(ticket, 0.3)[0] == GO:
+            flow.saturated(ticket, 0.3)  # the driver found no replica with room
+    assert flow.queued == 2
+    room["m"] = 1  # one place frees: held back from the heaviest tenant
+    assert flow.pump(0.4) == []
+    late = flow.ticket("light", None, "m", 100, None, 0.5)
+    outcome, woken, _ = flow.arrive(late, 0.5)
+    assert outcome == WAIT and woken == [late]  # found it at once
+    flow.placed(late)
+    room["m"] = 2
+    assert len(flow.pump(0.6)) == 1  # beyond the headroom the heaviest goes on as before
+
+
+def test_no_headroom_is_held_from_a_tenant_holding_no_more_places_than_it():
+    """One place in all: the heavier tenant is not held to nothing."""
+    room = {"m": 1}
+    flow = controller(max_in_flight=100, free=lambda model, now: room[model], headroom_places=1)
+    for tenant in ("light", "heavy", "heavy"):
+        ticket = flow.ticket(tenant, None, "m", 100, None, 0.0)
+        flow.arrive(ticket, 0.0)
+        flow.done(ticket, 0.0)
+    waiting = flow.ticket("heavy", None, "m", 100, None, 0.1)
+    room["m"] = 0
+    flow.arrive(waiting, 0.1)
+    flow.saturated(waiting, 0.1)
+    room["m"] = 1
+    assert flow.pump(0.2) == [waiting]
+
+
+def test_no_headroom_is_held_for_a_tenant_alone_in_its_class():
+    room = {"m": 0}
+    flow = controller(max_in_flight=100, free=lambda model, now: room[model], headroom_places=1)
+    first = flow.ticket("only", None, "m", 100, None, 0.0)
+    flow.arrive(first, 0.0)
+    flow.saturated(first, 0.0)
+    room["m"] = 1
+    assert flow.pump(0.1) == [first]
