@@ -1,7 +1,8 @@
 """Flow control: once the fleet is saturated, who waits, in which order, and who is told no.
 
 Below saturation a request passes straight through: `arrive` answers GO after two integer
-comparisons, and nothing else here runs. The fleet is saturated when `max_in_flight`
+comparisons, having counted its tokens to its tenant (service is service, whether it waited
+or not). The fleet is saturated when `max_in_flight`
 requests are admitted, or when no candidate replica has room (every one at its
 `max_concurrency`): the driver then hands the request back with `saturated`, and it waits
 here until a place frees.
@@ -25,7 +26,8 @@ While requests wait:
 - **Targets**: a request with a TTFT target is refused at once when the predicted wait (the
   requests that go before it, over the rate places have been freeing) plus the time to first
   token measured after dispatch already exceeds it; once queued it waits no longer than its
-  target allows. A client that backs off on 429 can fail over within milliseconds.
+  target allows. Any request predicted to wait most of `limits.queue_timeout_s` is refused
+  at once too. A client that backs off on 429 can fail over within milliseconds.
 
 The controller decides and never waits, and reads no clock: the driver (the proxy with
 futures and the loop's timers, the simulator with virtual-time events) passes `now`, keeps
