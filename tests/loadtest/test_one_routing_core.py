@@ -10,13 +10,15 @@ core is watched step by step; the two records must be equal.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from typing import Any
 
 import aiohttp
+import orjson
 
-from balancer.config import PolicySettings
+from balancer.config import PolicySettings, parse_settings
 from balancer.routing.core import RoutingCore
 from loadtest.client.workloads import WorkRequest, load_workload
 from loadtest.replica.config import ReplicaConfig
@@ -27,6 +29,9 @@ from tests.conftest import make_settings, run_balancer
 
 STEPS = ("candidates", "plan", "next_attempt", "first_byte", "learn", "learned_output", "failed",
          "held_off", "answered", "end_attempt")
+FLOW_STEPS = ("arrive", "saturated", "placed", "done", "expire")
+FLOW = {"enabled": True, "trust_headers": True, "default_class": "standard",
+        "classes": [{"name": "critical", "ttft_slo_ms": 2000}, {"name": "standard"}]}
 REPLICAS = 2
 # Small caches, so the sequence also makes the engines evict and the index learn of it.
 KV_CAPACITY = 1000
@@ -44,6 +49,8 @@ def shown(result: Any) -> Any:
         return result.name
     if hasattr(result, "corrected"):  # a lesson
         return (result.predicted, result.actual, result.corrected)
+    if isinstance(result, tuple) and result and result[0] in ("go", "wait"):  # flow control's arrive
+        return (result[0], len(result[1]), len(result[2]))
     return result
 
 
@@ -54,28 +61,39 @@ def watch(core: RoutingCore) -> list[tuple[Any, ...]]:
     tracker = core.tracker
     assert tracker is not None
 
+    flow = core.flow
+
     def state() -> tuple[Any, ...]:
         load = tuple((r.name, r.in_flight, r.prefill_tokens_queued, r.decoding) for r in core.fleet.replicas)
         index = tuple(tuple(sorted(tracker.predict(p).cached.items())) for p in prompts)
-        return load, index, core.admission.in_flight, len(core.output_lengths)
+        admitted = flow.in_flight if flow is not None else core.admission.in_flight
+        return load, index, admitted, len(core.output_lengths)
 
     def watched(name: str, step: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             if name == "plan":
                 prompts.append(args[2])
             result = step(*args, **kwargs)
-            steps.append((name, shown(result), *state()))
+            # A flow step's ticket: who, which class, and its price in tokens (not its
+            # times, which are virtual offline and the loop's live).
+            ticket = (args[0].tenant, args[0].klass, round(args[0].cost, 6)) if name in FLOW_STEPS else ()
+            steps.append((name, shown(result), *state(), ticket))
             return result
 
         return run
 
     for name in STEPS:
         setattr(core, name, watched(name, getattr(core, name)))
+    if flow is not None:
+        for name in FLOW_STEPS:
+            setattr(flow, name, watched(name, getattr(flow, name)))
     return steps
 
 
-def offline(requests: list[WorkRequest]) -> list[tuple[Any, ...]]:
-    sim = Simulator(uniform_fleet(REPLICAS, kv_capacity_tokens=KV_CAPACITY), PolicySettings(name="cache_aware", seed=7))
+def offline(requests: list[WorkRequest], flow: bool = False) -> list[tuple[Any, ...]]:
+    settings = parse_settings({"replicas": [{"url": "http://127.0.0.1:9"}], "flow_control": FLOW}) if flow else None
+    sim = Simulator(uniform_fleet(REPLICAS, kv_capacity_tokens=KV_CAPACITY), PolicySettings(name="cache_aware", seed=7),
+                    flow=settings)
     steps = watch(sim.core)
     for request in requests:
         # One at a time, as the live side sends them: each starts once the last has ended.
@@ -83,7 +101,7 @@ def offline(requests: list[WorkRequest]) -> list[tuple[Any, ...]]:
     return steps
 
 
-async def live(requests: list[WorkRequest]) -> list[tuple[Any, ...]]:
+async def live(requests: list[WorkRequest], flow: bool = False) -> list[tuple[Any, ...]]:
     async with AsyncExitStack() as stack:
         urls = []
         for _ in range(REPLICAS):
@@ -93,18 +111,25 @@ async def live(requests: list[WorkRequest]) -> list[tuple[Any, ...]]:
             urls.append(replica.url)
         settings = make_settings(
             [{"url": url, "name": f"replica-{i}", "model": MODEL} for i, url in enumerate(urls)],
-            policy={"name": "cache_aware", "seed": 7},
+            policy={"name": "cache_aware", "seed": 7}, **({"flow_control": FLOW} if flow else {}),
         )
         kvlb = await stack.enter_async_context(run_balancer(settings))
         core = kvlb.balancer.core
         steps = watch(core)
         session = await stack.enter_async_context(aiohttp.ClientSession())
         for request in requests:
-            async with session.post(kvlb.url + request.route, json=request.payload(MODEL, stream=True)) as resp:
+            # The simulator prices a request by its body as orjson writes it: the same bytes here.
+            headers = {"Content-Type": "application/json"}
+            if request.tenant is not None:
+                headers["x-kvlb-tenant"] = request.tenant
+            if request.priority is not None:
+                headers["x-kvlb-priority"] = request.priority
+            body = orjson.dumps(request.payload(MODEL, stream=True))
+            async with session.post(kvlb.url + request.route, data=body, headers=headers) as resp:
                 assert resp.status == 200, await resp.text()
                 await resp.read()
             for _ in range(200):  # the answer is out; the attempt ends just after
-                if core.admission.in_flight == 0:
+                if (core.flow.in_flight if core.flow is not None else core.admission.in_flight) == 0:
                     break
                 await asyncio.sleep(0.01)
         return steps
@@ -120,6 +145,23 @@ async def test_the_proxy_and_the_simulator_take_the_same_steps_to_the_same_state
     assert chosen == {"replica-0", "replica-1"}
     assert any(pair[1] > 0 for step in expected for prompt in step[3] for pair in prompt)
     assert any(load[2] > 0 for step in expected for load in step[2])
+    assert len(seen) == len(expected)
+    for i, (live_step, offline_step) in enumerate(zip(seen, expected, strict=True)):
+        assert live_step == offline_step, f"step {i} differs"
+
+
+async def test_with_flow_control_both_drivers_take_its_steps_alike() -> None:
+    """The same, with flow control on and each request naming a tenant and a class: both
+    drivers price each request alike and take the same flow steps around the core's."""
+    requests = [dataclasses.replace(r, tenant=f"tenant-{r.index % 2}",
+                                    priority="critical" if r.index % 3 == 0 else "standard")
+                for r in load_workload(WORKLOAD).requests]
+    expected = offline(requests, flow=True)
+    seen = await live(requests, flow=True)
+    names = [step[0] for step in expected]
+    assert names.count("arrive") == names.count("done") == len(requests)
+    assert {step[-1][:2] for step in expected if step[0] == "arrive"} == {
+        ("tenant-0", "critical"), ("tenant-1", "standard"), ("tenant-0", "standard"), ("tenant-1", "critical")}
     assert len(seen) == len(expected)
     for i, (live_step, offline_step) in enumerate(zip(seen, expected, strict=True)):
         assert live_step == offline_step, f"step {i} differs"
