@@ -151,3 +151,26 @@ async def test_bad_flow_headers_get_clear_errors():
                 status, _, body = await post(http, running.url, "x", headers)
                 assert status == 400 and body["error"]["code"] == code, (headers, body)
             assert (await post(http, running.url, "fine", {"x-kvlb-priority": "batch"}))[0] == 200
+
+
+async def test_a_client_that_leaves_while_waiting_gives_its_place_back():
+    order: list[str] = []
+    async with AsyncExitStack() as stack:
+        running = await start(stack, order, {"blocker": 0.5})
+        flow = running.balancer.core.flow
+        async with aiohttp.ClientSession() as http:
+            blocker = asyncio.create_task(post(http, running.url, "blocker"))
+            while "blocker" not in order:
+                await asyncio.sleep(0.01)
+            leaving = asyncio.create_task(post(http, running.url, "leaving"))
+            await queued(running, 1)
+            leaving.cancel()  # the client closes its connection
+            for _ in range(100):
+                if flow.queued == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert flow.queued == 0
+            status, _, _ = await post(http, running.url, "next")
+            await blocker
+        assert status == 200 and "leaving" not in order
+        assert flow.in_flight == 0 and flow.queued == 0
