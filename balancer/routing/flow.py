@@ -328,7 +328,7 @@ class FlowController:
     def queued_in(self, klass: str) -> int:
         return self.by_name[klass].queued
 
-    def predicted_wait_s(self, ticket: Ticket, now: float) -> float:
+    def predicted_wait_s(self, ticket: Ticket, now: float, front: bool = False) -> float:
         """How long `ticket` would wait if queued now: the higher classes' queues over the
         rate at which places have been freeing, then those before it in its own class over
         what of that rate the higher classes' traffic leaves (at least its reserved share)."""
@@ -342,14 +342,15 @@ class FlowController:
         ahead_higher = sum(c.queued for c in higher)
         if left <= 0:
             return math.inf
-        return ahead_higher / rate + self._ahead(ticket) / left
+        return ahead_higher / rate + self._ahead(ticket, front) / left
 
-    def _ahead(self, ticket: Ticket) -> float:
-        """Requests of its own class that would go before `ticket`, and itself."""
+    def _ahead(self, ticket: Ticket, front: bool) -> float:
+        """Requests of its own class that would go before `ticket`, and itself; `front`: it
+        goes back to the head of its tenant's queue."""
         own = self.by_name[ticket.klass]
         ahead = 0.0
         tenant = own.tenants.get(ticket.tenant)
-        mine = len(tenant.queue) if tenant is not None else 0
+        mine = len(tenant.queue) if tenant is not None and not front else 0
         weight = tenant.weight if tenant is not None else self._policy(ticket.tenant).weight
         # Fair sharing: each other backlogged tenant sends about as many (by weight) as this
         # one before it, and never more than it has queued.
@@ -370,7 +371,7 @@ class FlowController:
         klass = self.by_name[ticket.klass]
         slo = ticket.ttft_slo_s
         waited = now - ticket.arrived
-        wait = self.predicted_wait_s(ticket, now)
+        wait = self.predicted_wait_s(ticket, now, front)
         if slo is not None and waited + wait + self.ttft_estimate_s > slo:
             raise refusal(TTFT_SLO, f"the predicted time to first token ({(waited + wait + self.ttft_estimate_s) * 1000:.0f} ms) "
                                     f"exceeds its target ({slo * 1000:g} ms)", self._retry_after(wait))

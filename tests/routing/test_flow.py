@@ -319,3 +319,4 @@ def test_no_headroom_is_held_for_a_tenant_alone_in_its_class():
     flow.saturated(first, 0.0)
     room["m"] = 1
     assert flow.pump(0.1) == [first]
+
