@@ -204,7 +204,13 @@ class StateSync:
     async def _keep(self, step: Any, interval_s: float) -> None:
         """Run `step` every `interval_s` for ever, surviving Redis outages."""
         failures = 0
+        task = asyncio.current_task()
         while True:
+            if task is not None and task.cancelling():
+                # A cancel that arrived inside a Redis command can come out of it as a
+                # timeout (the client's own deadline around the read), which the handler
+                # below would take for an outage and go on: `stop` would then wait for ever.
+                raise asyncio.CancelledError
             try:
                 reached = await step()
             except (RedisError, OSError, TimeoutError) as exc:
