@@ -75,7 +75,7 @@ class Balancer:
             self.metrics.registry.register(SyncCollector(self.sync.stats))
             if self.core.flow is not None:
                 self.sync.flow_share = FlowShare(self.core.flow, settings.sync.key_prefix, self.sync.instance_id,
-                                                 settings.sync.load_ttl_s)
+                                                 settings.sync.load_ttl_s, self.sync.stats)
         key = replica_key(settings.auth)
         self.proxy = Proxy(
             settings, self.metrics, self.pool, self.core,

@@ -259,8 +259,10 @@ class RoutingSettings:
 
 
 # A tenant's or class's name goes into metric labels and the access log: visible ASCII.
+# (The proxy holds a tenant named by a header to the same pattern.)
+LABEL_NAME = re.compile(r"[\x21-\x7e]{1,100}")
 _label_name = _rule(
-    re.compile(r"[\x21-\x7e]{1,100}").fullmatch,
+    LABEL_NAME.fullmatch,
     "must be 1 to 100 visible ASCII characters (no spaces), got {!r}",
 )
 _share = _rule(lambda v: 0 <= v < 1, "must be in [0, 1), got {!r}")

@@ -28,11 +28,16 @@ def load_keys(settings: AuthSettings) -> tuple[bytes, ...]:
             raise ConfigError([f"auth.api_keys_file: cannot read {settings.api_keys_file!r}: {exc.strerror}"]) from None
         keys += [line.split("#", 1)[0].strip() for line in text.splitlines()]
     if settings.api_keys_env:
-        value = os.environ.get(settings.api_keys_env)
-        if value is None:
-            raise ConfigError([f"auth.api_keys_env: environment variable {settings.api_keys_env} is not set"])
-        keys += [part.strip() for part in value.split(",")]
+        keys += _env_keys(settings.api_keys_env, "auth.api_keys_env")
     return tuple(key.encode() for key in keys if key)
+
+
+def _env_keys(variable: str, where: str) -> list[str]:
+    """The comma-separated keys an environment variable holds."""
+    value = os.environ.get(variable)
+    if value is None:
+        raise ConfigError([f"{where}: environment variable {variable} is not set"])
+    return [part.strip() for part in value.split(",")]
 
 
 def tenant_keys(settings: AuthSettings) -> list[tuple[bytes, str]]:
@@ -41,10 +46,7 @@ def tenant_keys(settings: AuthSettings) -> list[tuple[bytes, str]]:
     for tenant in settings.tenants:
         keys = list(tenant.api_keys)
         if tenant.api_keys_env:
-            value = os.environ.get(tenant.api_keys_env)
-            if value is None:
-                raise ConfigError([f"auth.tenants: {tenant.name}: environment variable {tenant.api_keys_env} is not set"])
-            keys += [part.strip() for part in value.split(",")]
+            keys += _env_keys(tenant.api_keys_env, f"auth.tenants: {tenant.name}")
         out += [(key.encode(), tenant.name) for key in keys if key]
     return out
 

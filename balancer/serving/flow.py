@@ -30,22 +30,19 @@ class FlowGate:
             self._wake(woken, displaced)
         return outcome == GO
 
-    async def wait(self, ticket: Ticket) -> None:
-        """Until its turn comes; raises its refusal."""
-        await self._wait(ticket)
-
     async def saturated(self, ticket: Ticket) -> None:
         """No replica had room: wait, keeping its turn, until one may."""
         woken, displaced = self.flow.saturated(ticket, asyncio.get_running_loop().time())
         self._wake(woken, displaced)
-        await self._wait(ticket)
+        await self.wait(ticket)
 
     def done(self, ticket: Ticket, now: float) -> None:
         woken = self.flow.done(ticket, now)
         if woken:
             self._wake(woken, ())
 
-    async def _wait(self, ticket: Ticket) -> None:
+    async def wait(self, ticket: Ticket) -> None:
+        """Until its turn comes; raises its refusal."""
         if ticket.state == RUNNING:  # dispatched at once, by the call that queued it
             return
         loop = asyncio.get_running_loop()

@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import re
 import time
 from collections.abc import Callable, Sequence
 
 import aiohttp
 
-from balancer.config import Settings
+from balancer.config import LABEL_NAME, Settings
 from balancer.errors import ClientError
 from balancer.protocol import (
     PRIORITY_HEADER,
@@ -148,7 +147,7 @@ class Forwarder:
         if self.settings.flow_control.trust_headers:
             named = request.header(TENANT_HEADER)
             if named is not None:
-                if not TENANT_NAME.fullmatch(named):
+                if not LABEL_NAME.fullmatch(named):
                     raise ClientError(400, f"{TENANT_HEADER} must be 1 to 100 visible ASCII characters",
                                       "invalid_tenant", param=TENANT_HEADER)
                 tenant = named
@@ -222,9 +221,6 @@ class Forwarder:
             assert self.core.flow is not None
             self.core.flow.placed(ticket)  # its first attempt takes the slot it was given
         await self.proxy.forward(request, journey, request_id, outcome, extra)
-
-
-TENANT_NAME = re.compile(r"[\x21-\x7e]{1,100}")
 
 
 def slo_seconds(header: str) -> float:

@@ -15,11 +15,14 @@ import asyncio
 import math
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from balancer.routing.flow import FlowController
+
+if TYPE_CHECKING:
+    from balancer.watchers.sync import SyncStats
 
 
 class MalformedShare(ValueError):
@@ -27,12 +30,15 @@ class MalformedShare(ValueError):
 
 
 class FlowShare:
-    def __init__(self, flow: FlowController, key_prefix: str, instance_id: str, ttl_s: float) -> None:
+    def __init__(self, flow: FlowController, key_prefix: str, instance_id: str, ttl_s: float,
+                 stats: SyncStats) -> None:
+        """`stats`: the sync's counters, where a peer's unreadable share is counted
+        (`kvlb_sync_malformed_entries_total`)."""
         self.flow = flow
         self.prefix = f"{key_prefix}:flow:"
         self.key = self.prefix + instance_id
         self.ttl_ms = int(ttl_s * 1000)
-        self.malformed = 0
+        self.stats = stats
 
     async def exchange(self, redis: Any) -> None:
         """Publish this instance's share, then take the peers' (one SET, a SCAN, one MGET)."""
@@ -51,7 +57,7 @@ class FlowShare:
             try:
                 taken, shares = _share_of(raw)
             except MalformedShare:
-                self.malformed += 1
+                self.stats.malformed += 1
                 continue
             peers += 1
             # Faded to now on this side, as the controller fades its own.

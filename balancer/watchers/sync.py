@@ -86,7 +86,7 @@ class SyncStats:
         self.applied = 0
         self.dropped = 0
         self.errors = 0
-        self.malformed = 0  # peers' stream entries, snapshots and keys skipped unread
+        self.malformed = 0  # peers' stream entries, snapshots, flow shares and keys skipped unread
         self.lag_counts = [0] * len(LAG_BUCKETS)
         self.lag_sum = 0.0
 
@@ -112,7 +112,7 @@ class SyncCollector:
         yield CounterMetricFamily("kvlb_sync_events_applied", "Other instances' routing events recorded in this index", value=s.applied)
         yield CounterMetricFamily("kvlb_sync_events_dropped", "Routing events dropped because Redis stayed away longer than the queue holds", value=s.dropped)
         yield CounterMetricFamily("kvlb_sync_errors", "Redis commands that failed or timed out", value=s.errors)
-        yield CounterMetricFamily("kvlb_sync_malformed_entries", "Other instances' stream entries, load snapshots and keys skipped because this version cannot read them", value=s.malformed)
+        yield CounterMetricFamily("kvlb_sync_malformed_entries", "Other instances' stream entries, load snapshots, flow-control shares and keys skipped because this version cannot read them", value=s.malformed)
         buckets, running = [], 0
         for bound, count in zip(LAG_BUCKETS, s.lag_counts, strict=True):
             running += count

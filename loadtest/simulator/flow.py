@@ -6,11 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import orjson
-
 from balancer.errors import ClientError
 from balancer.routing.flow import GO, QUEUED, Ticket
-from balancer.routing.request import parse_request
 from loadtest.client.summary import RequestRecord
 from loadtest.client.workloads import WorkRequest
 
@@ -19,10 +16,9 @@ if TYPE_CHECKING:
 
 
 class SimulatedFlow:
-    def __init__(self, sim: Simulator, model: str, deadline_event: int) -> None:
+    def __init__(self, sim: Simulator, deadline_event: int) -> None:
         """`deadline_event`: the simulator's event kind that calls `expire` for a request."""
         self.sim = sim
-        self.model = model
         self.deadline_event = deadline_event
         flow = sim.core.flow
         assert flow is not None
@@ -32,9 +28,12 @@ class SimulatedFlow:
 
     def arrive(self, request: WorkRequest) -> None:
         sim = self.sim
+        try:
+            _, body, features = sim.prepared(request)
+        except ClientError as exc:  # as the proxy, which parses before admission
+            sim._record_error(request, exc.status, exc.message)
+            return
         # Priced as the proxy prices it: from the body it would receive.
-        body = orjson.dumps(request.payload(self.model, stream=True))
-        features = parse_request(request.route, body, request.session, with_prompt=False)
         ticket = self.flow.ticket(request.tenant, request.priority, features.model,
                                   sim.core.flow_cost(features, len(body)), None, sim.now)
         ticket.waiter = request

@@ -73,7 +73,7 @@ from loadtest.replica.parsing import ApiError, GenerationRequest, parse_chat, pa
 from loadtest.replica.tokens import word_token_id
 from loadtest.simulator.fleetspec import FleetPlan
 from loadtest.simulator.flow import SimulatedFlow
-from policies.base import Policy
+from policies.base import Policy, RequestFeatures
 from policies.registry import make_policy
 
 MODEL = "sim-model"
@@ -227,10 +227,13 @@ class Simulator:
             CoreSettings(max_attempts, self.region, self.routing.forget_unhealthy_after_s),
             call_at=self._call_at, flow=flow_controller(flow, fleet_) if flow is not None else None,
         )
-        self.flow = SimulatedFlow(self, MODEL, QUEUE_TIMEOUT) if self.core.flow is not None else None
+        self.flow = SimulatedFlow(self, QUEUE_TIMEOUT) if self.core.flow is not None else None
         # Without flow control, requests that found every replica at its max_concurrency wait
         # here, holding their admission slot, as the proxy's do (`Fleet.wait_for_room`).
         self._room_line: deque[WorkRequest] = deque()
+        # Each request's body and its parse, made once (flow control prices a request before
+        # it is routed), until its record is written.
+        self._bodies: dict[int, tuple[dict[str, Any], bytes, RequestFeatures]] = {}
         self.token_ids = TokenIds()
         self.nodes: dict[str, VirtualReplica] = {}
         for plan, replica, engine in zip(fleet.replicas, self.fleet.replicas, engines, strict=True):
@@ -340,13 +343,22 @@ class Simulator:
         if waiter is not None:
             self._route(waiter)
 
+    def prepared(self, request: WorkRequest) -> tuple[dict[str, Any], bytes, RequestFeatures]:
+        """The body `kvlb serve` would receive for `request`, and kvlb's parse of it. Raises
+        the parser's ClientError."""
+        prepared = self._bodies.get(request.index)
+        if prepared is None:
+            payload = request.payload(MODEL, stream=True)
+            body = orjson.dumps(payload)
+            features = parse_request(request.route, body, request.session, with_prompt=self.policy.needs_prompt)
+            prepared = self._bodies[request.index] = (payload, body, features)
+        return prepared
+
     def _route(self, request: WorkRequest, waited: bool = False) -> None:
         """`waited`: it comes from the line for room, and goes back to its head if still full."""
-        payload = request.payload(MODEL, stream=True)
-        body = orjson.dumps(payload)
         core = self.core
         try:
-            features = parse_request(request.route, body, request.session, with_prompt=self.policy.needs_prompt)
+            payload, _, features = self.prepared(request)
             candidates = core.candidates(features.model, None, self.now)
         except ClientError as exc:
             if exc.code == FULL and self.flow is not None:
@@ -497,6 +509,7 @@ class Simulator:
 
     def _stamp(self, record: RequestRecord, request: WorkRequest) -> None:
         """Who the request was for, and what flow control made of it."""
+        self._bodies.pop(request.index, None)
         record.tenant, record.priority = request.tenant, request.priority
         if self.flow is not None:
             self.flow.stamp(record, request)

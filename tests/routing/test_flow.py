@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from balancer.errors import ClientError
@@ -38,6 +40,15 @@ def fill(flow, n, now=0.0):
     return running
 
 
+def served(flow, current, steps: int, start: float = 0.0, gap: float = 1.0) -> Counter:
+    """Requests ending one after another on a single place: whose go next, `steps` times."""
+    counts: Counter = Counter()
+    for step in range(steps):
+        (current,) = flow.done(current, start + gap * step)
+        counts[current.tenant] += 1
+    return counts
+
+
 def test_below_saturation_every_request_goes_at_once():
     flow = controller(max_in_flight=3)
     tickets = [flow.ticket(f"t{i}", None, None, 100, None, 0.0) for i in range(3)]
@@ -71,11 +82,8 @@ def test_tenants_share_by_tokens_not_requests():
     for _ in range(30):
         flow.arrive(flow.ticket("big", None, None, 1000, None, 0.0), 0.0)
         flow.arrive(flow.ticket("small", None, None, 100, None, 0.0), 0.0)
-    served = {"big": 0, "small": 0}
-    for step in range(22):
-        (current,) = flow.done(current, float(step))
-        served[current.tenant] += 1
-    assert served["small"] >= 18 and 1 <= served["big"] <= 4, served
+    counts = served(flow, current, 22)
+    assert counts["small"] >= 18 and 1 <= counts["big"] <= 4, counts
 
 
 def test_weights_scale_a_tenants_share():
@@ -84,11 +92,7 @@ def test_weights_scale_a_tenants_share():
     for _ in range(40):
         flow.arrive(flow.ticket("gold", None, None, 100, None, 0.0), 0.0)
         flow.arrive(flow.ticket("plain", None, None, 100, None, 0.0), 0.0)
-    served = {"gold": 0, "plain": 0}
-    for step in range(40):
-        (current,) = flow.done(current, float(step))
-        served[current.tenant] += 1
-    assert served == {"gold": 30, "plain": 10}
+    assert served(flow, current, 40) == {"gold": 30, "plain": 10}
 
 
 def test_a_tenant_below_its_share_goes_first_even_in_a_burst():

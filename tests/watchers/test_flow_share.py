@@ -12,6 +12,7 @@ import pytest
 from tests.conftest import make_settings, run_balancer, serve_app
 from tests.serving.test_flow_control import MINIMAL, post, queued
 from tests.upstreams import ordered_app
+from tests.watchers.test_sync import until
 
 
 @contextlib.asynccontextmanager
@@ -25,33 +26,32 @@ async def two_instances(redis_server, order, hold_s, **flow):
             yield a, b
 
 
-async def until(condition, timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
-
-
 def remote_queued(running, tenant: str) -> int:
     return running.balancer.core.flow.by_name["standard"].remote_queued.get(tenant, 0)
+
+
+async def three_noisy_waiting_on_a(http, a, b, order):
+    """A blocker holding the only place, through A, and three of tenant `noisy`'s waiting
+    there, once B has heard of them. Returns the four requests' tasks."""
+    blocker = asyncio.create_task(post(http, a.url, "blocker"))
+    await until(lambda: "blocker" in order)
+    waiting = [asyncio.create_task(post(http, a.url, f"noisy-{n}", {"x-kvlb-tenant": "noisy"}))
+               for n in range(3)]
+    await queued(a, 3)
+    await until(lambda: b.balancer.fleet.replicas[0].in_flight >= 1 and remote_queued(b, "noisy") == 3)
+    return [blocker, *waiting]
 
 
 async def test_a_tenants_bound_on_waiting_requests_holds_across_instances(redis_server):
     order: list[str] = []
     async with two_instances(redis_server, order, {"blocker": 1.0}, max_queued_per_tenant=3) as (a, b), \
             aiohttp.ClientSession() as http:
-        blocker = asyncio.create_task(post(http, a.url, "blocker"))
-        await until(lambda: "blocker" in order)
-        waiting = [asyncio.create_task(post(http, a.url, f"noisy-{n}", {"x-kvlb-tenant": "noisy"}))
-                   for n in range(3)]
-        await queued(a, 3)
-        # B learns of A's load and of the tenant's three waiting there.
-        await until(lambda: b.balancer.fleet.replicas[0].in_flight >= 1 and remote_queued(b, "noisy") == 3)
+        on_a = await three_noisy_waiting_on_a(http, a, b, order)
         status, headers, _ = await post(http, b.url, "noisy-b", {"x-kvlb-tenant": "noisy"})
         assert status == 429 and headers["x-kvlb-reject-reason"] == "tenant_queue_full"
         # Another tenant is not held to it.
         other = asyncio.create_task(post(http, b.url, "other", {"x-kvlb-tenant": "other"}))
-        results = await asyncio.gather(blocker, other, *waiting)
+        results = await asyncio.gather(other, *on_a)
     assert [status for status, _, _ in results] == [200] * 5
 
 
@@ -81,18 +81,13 @@ async def test_without_redis_each_instance_enforces_on_its_own(redis_server):
     order: list[str] = []
     async with two_instances(redis_server, order, {"blocker": 1.5}, max_queued_per_tenant=3) as (a, b), \
             aiohttp.ClientSession() as http:
-        blocker = asyncio.create_task(post(http, a.url, "blocker"))
-        await until(lambda: "blocker" in order)
-        waiting = [asyncio.create_task(post(http, a.url, f"noisy-{n}", {"x-kvlb-tenant": "noisy"}))
-                   for n in range(3)]
-        await queued(a, 3)
-        await until(lambda: remote_queued(b, "noisy") == 3)
+        on_a = await three_noisy_waiting_on_a(http, a, b, order)
         redis_server.stop()
         await until(lambda: b.balancer.core.flow.remote_peers == 0)
         async with http.get(b.url + "/metrics") as resp:
             assert "kvlb_flow_shared_peers 0.0" in await resp.text()
         # B's own bound again: the tenant has nothing waiting on B.
         late = asyncio.create_task(post(http, b.url, "noisy-b", {"x-kvlb-tenant": "noisy"}))
-        results = await asyncio.gather(blocker, late, *waiting)
+        results = await asyncio.gather(late, *on_a)
         redis_server.start()
     assert [status for status, _, _ in results] == [200] * 5
