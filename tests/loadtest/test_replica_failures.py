@@ -28,8 +28,11 @@ import yaml
 from loadtest.procs import free_port, start_process, stop_process, wait_for_http
 from loadtest.replica.launch import ReplicaProcess
 
-# Slow enough that streams on the victim are still mid-way when it is killed.
 REPLICA_ARGS = ["--time-scale", "20", "--model", "m"]
+# Slow enough that streams on the victim are still mid-way when it is killed: a stream
+# lasts about a second, so the replica cannot have sent it all before a busy test client
+# has read its first quarter.
+SLOW_REPLICA = ["--time-scale", "5"]
 REQUESTS = 200
 CONCURRENCY = 20
 MAX_TOKENS = 512
@@ -162,7 +165,7 @@ async def run_one(http: aiohttp.ClientSession, url: str, result: Result) -> None
 
 
 async def test_killed_replica_fails_over_and_breaks_its_streams_visibly() -> None:
-    with replicas([], [], []) as fleet:
+    with replicas(SLOW_REPLICA, SLOW_REPLICA, SLOW_REPLICA) as fleet:
         victim = fleet[0]
         victim_name = victim.url.removeprefix("http://")
         args = [a for r in fleet for a in ("--replica", r.url)] + ["--policy", "least_load"]
@@ -187,7 +190,8 @@ async def test_killed_replica_fails_over_and_breaks_its_streams_visibly() -> Non
                         done = sum(r.finished for r in results)
                         streaming_on_victim = [
                             r for r in results
-                            if r.stream and r.replica == victim_name and r.events and not r.finished
+                            if r.stream and r.replica == victim_name and not r.finished
+                            and 0 < len(r.events) < MAX_TOKENS // 4
                         ]
                         if done >= KILL_AFTER_DONE and len(streaming_on_victim) >= 2:
                             os.kill(victim.pid, signal.SIGKILL)
