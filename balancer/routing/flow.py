@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +58,8 @@ REASONS = (QUEUE_FULL, TENANT_QUEUE_FULL, DISPLACED, TTFT_SLO, QUEUE_TIMEOUT, WA
 
 # Ticket states.
 NEW, RUNNING, QUEUED, ENDED = 0, 1, 2, 3
+# What the steps hand back when there is nothing to wake: one shared empty tuple.
+NOTHING: tuple = ()
 
 DEFAULT_TENANT = "default"
 OTHER_TENANT = "other"  # the label of tenants beyond `max_tenants`
@@ -108,6 +110,7 @@ class Ticket:
     queued_s: float = 0.0  # time spent waiting, all spells together
     queued_at: float = 0.0
     reserved: bool = False  # dispatched, and not yet placed on a replica
+    share: Any = None  # its tenant's _Tenant once admitted: what its end gives back to
     waiter: Any = None
     refusal: ClientError | None = None  # set when displaced: the driver answers with it
 
@@ -185,11 +188,18 @@ class FlowController:
         """A ticket for a request; an unknown class falls to the tenant's or the default."""
         tenant = tenant or DEFAULT_TENANT
         policy = self.tenants.get(tenant)
-        if klass not in self.by_name:
+        chosen = self.by_name.get(klass) if klass is not None else None
+        if chosen is None:
             klass = policy.priority if policy is not None and policy.priority else self.default_class
+            chosen = self.by_name[klass]
         if ttft_slo_s is None:
-            ttft_slo_s = self.by_name[klass].spec.ttft_slo_s
-        return Ticket(tenant, klass, model, max(cost, 1.0), ttft_slo_s, now, self._label(tenant))
+            ttft_slo_s = chosen.spec.ttft_slo_s
+        label = tenant if policy is not None or tenant in self._labels else self._label(tenant)
+        return Ticket(tenant, klass, model, cost if cost > 1.0 else 1.0, ttft_slo_s, now, label)
+
+    def known_tenant(self, tenant: str) -> bool:
+        """Configured, or named before (and so already checked as a label)."""
+        return tenant in self.tenants or tenant in self._labels
 
     def _label(self, tenant: str) -> str:
         """Configured tenants are labels; tenants named by headers are, up to `max_tenants`."""
@@ -205,23 +215,28 @@ class FlowController:
 
     # -- the driver's steps ----------------------------------------------------------------
 
-    def arrive(self, ticket: Ticket, now: float) -> tuple[str, list[Ticket], list[Ticket]]:
+    def arrive(self, ticket: Ticket, now: float) -> tuple[str, Sequence[Ticket], Sequence[Ticket]]:
         """GO: admitted now. WAIT: queued; the driver waits for the ticket to come back from
         `done`/`pump`, or until `ticket.deadline`. Raises the refusal (429, with a reason).
         Also returns the tickets to wake (this one among them when it can go at once after
         all) and those displaced to make room: the driver answers each with its `refusal`."""
         ticket.seq = self._seq = self._seq + 1
         if self.queued == 0 and self.in_flight < self.max_in_flight:
+            # The path of every request below saturation: kept to a few lookups.
             self.in_flight += 1
             ticket.state = RUNNING
             # Service is service, queued or not: who used the fleet before it saturated
             # does not start level with who did not.
             klass = self.by_name[ticket.klass]
             klass.dispatched.append(now)
-            tenant = self._tenant(klass, ticket.tenant, now)
+            tenant = klass.tenants.get(ticket.tenant) or self._tenant(klass, ticket.tenant, now)
             tenant.running += 1
-            self._charge(tenant, ticket, now)
-            return GO, [], []
+            ticket.share = tenant
+            age = now - tenant.at
+            attained = tenant.attained * math.exp(-age / self.fairness_window_s) if age > 0 else tenant.attained
+            tenant.attained = attained + ticket.cost / tenant.weight
+            tenant.at = now
+            return GO, NOTHING, NOTHING
         displaced = self._enqueue(ticket, now, front=False)
         return WAIT, self.pump(now), displaced
 
@@ -248,19 +263,22 @@ class FlowController:
             estimate = self.ttft_estimate_s
             self.ttft_estimate_s = ttft_s if estimate == 0 else estimate + TTFT_EWMA * (ttft_s - estimate)
 
-    def done(self, ticket: Ticket, now: float) -> list[Ticket]:
+    def done(self, ticket: Ticket, now: float) -> Sequence[Ticket]:
         """The request is over, however it ended. Returns the tickets to wake."""
         if ticket.state == RUNNING:
-            self._unreserve(ticket)
+            if ticket.reserved:
+                self._unreserve(ticket)
             self.in_flight -= 1
-            self._ended(ticket)
+            share, ticket.share = ticket.share, None
+            if share is not None:
+                share.running -= 1
             self._completions.append(now)
         elif ticket.state == QUEUED:
             self._remove(ticket, now)
         ticket.state = ENDED
-        return self.pump(now) if self.queued else []
+        return self.pump(now) if self.queued else NOTHING
 
-    def withdraw(self, ticket: Ticket, now: float) -> list[Ticket]:
+    def withdraw(self, ticket: Ticket, now: float) -> Sequence[Ticket]:
         """The client left: same as `done`."""
         return self.done(ticket, now)
 
@@ -476,8 +494,9 @@ class FlowController:
                 return best
         return None
 
-    def _ended(self, ticket: Ticket) -> None:
-        tenant = self.by_name[ticket.klass].tenants.get(ticket.tenant)
+    @staticmethod
+    def _ended(ticket: Ticket) -> None:
+        tenant, ticket.share = ticket.share, None
         if tenant is not None:
             tenant.running -= 1
 
@@ -532,6 +551,7 @@ class FlowController:
             tenant.queue.remove(ticket)
         self._charge(tenant, ticket, now)
         tenant.running += 1
+        ticket.share = tenant
         klass.dispatched.append(now)
         klass.queued -= 1
         self.queued -= 1

@@ -36,12 +36,16 @@ class OutputLengths:
 
     def expect(self, model: str | None, route: str, prompt_tokens: int) -> float | None:
         """The mean output of answers like this one, or None when too few have ended."""
+        if not self._means:
+            return None
         name = model or ""
-        for key in ((name, route, _bucket(prompt_tokens)), (name, route, -1)):
-            sums = self._means.get(key)
-            if sums is not None and sums[1] >= MIN_WEIGHT:
-                return sums[0] / sums[1]
-        return None
+        get = self._means.get
+        sums = get((name, route, _bucket(prompt_tokens)))
+        if sums is None or sums[1] < MIN_WEIGHT:
+            sums = get((name, route, -1))
+            if sums is None or sums[1] < MIN_WEIGHT:
+                return None
+        return sums[0] / sums[1]
 
     def observe(self, model: str | None, route: str, prompt_tokens: int, output_tokens: int,
                 max_tokens: int | None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -19,32 +20,48 @@ from balancer.routing.flow import REASONS, FlowController, Ticket
 from balancer.serving.metrics import _Histogram
 
 
+@dataclass(slots=True)
+class _Counts:
+    """One (class, tenant)'s figures: one lookup per request ended."""
+
+    queue_time: _Histogram = field(default_factory=_Histogram)
+    served: int = 0
+    tokens: float = 0.0
+    slo_met: int = 0
+    slo_missed: int = 0
+
+
 class FlowMetrics(Collector):
     def __init__(self, flow: FlowController) -> None:
         self.flow = flow
-        self.queue_time: defaultdict[tuple[str, str], _Histogram] = defaultdict(_Histogram)
+        self.counts: dict[tuple[str, str], _Counts] = {}
         self.refused: defaultdict[tuple[str, str, str], int] = defaultdict(int)
-        self.served: defaultdict[tuple[str, str], int] = defaultdict(int)
-        self.tokens: defaultdict[tuple[str, str], float] = defaultdict(float)
-        self.slo: defaultdict[tuple[str, str, str], int] = defaultdict(int)
 
     def observe(self, ticket: Ticket, status: int, error: str, ttft_s: float | None) -> None:
         key = (ticket.klass, ticket.label)
-        self.queue_time[key].observe(ticket.queued_s)
-        if error in REASONS:
+        counts = self.counts.get(key)
+        if counts is None:
+            counts = self.counts[key] = _Counts()
+        counts.queue_time.observe(ticket.queued_s)
+        answered = status < 400 and ttft_s is not None
+        if answered:
+            counts.served += 1
+            counts.tokens += ticket.cost
+        elif error in REASONS:
             self.refused[(*key, error)] += 1
-        if status < 400 and ttft_s is not None:
-            self.served[key] += 1
-            self.tokens[key] += ticket.cost
-        if ticket.ttft_slo_s is not None:
-            met = status < 400 and ttft_s is not None and ttft_s <= ticket.ttft_slo_s
-            self.slo[(*key, "true" if met else "false")] += 1
+        slo = ticket.ttft_slo_s
+        if slo is not None:
+            if answered and ttft_s <= slo:
+                counts.slo_met += 1
+            else:
+                counts.slo_missed += 1
 
     def collect(self) -> Iterator[Metric]:
         queue_time = HistogramMetricFamily(
             "kvlb_flow_queue_seconds", "Time requests waited in flow control", labels=["class", "tenant"])
-        for key, hist in list(self.queue_time.items()):
-            queue_time.add_metric(list(key), hist.family_buckets(), hist.total)
+        counts = list(self.counts.items())
+        for key, each in counts:
+            queue_time.add_metric(list(key), each.queue_time.family_buckets(), each.queue_time.total)
         yield queue_time
         refused = CounterMetricFamily(
             "kvlb_flow_rejections", "Requests flow control refused (429), by reason",
@@ -58,16 +75,19 @@ class FlowMetrics(Collector):
             "kvlb_flow_served_tokens",
             "Tokens of the requests answered, as flow control counts them for fair sharing (prompt "
             "estimated from the body, plus the expected output)", labels=["class", "tenant"])
-        for key, count in list(self.served.items()):
-            served.add_metric(list(key), count)
-            tokens.add_metric(list(key), self.tokens[key])
+        for key, each in counts:
+            if each.served:
+                served.add_metric(list(key), each.served)
+                tokens.add_metric(list(key), each.tokens)
         yield served
         yield tokens
         slo = CounterMetricFamily(
             "kvlb_flow_ttft_slo", "Requests with a time-to-first-token target, by whether they met it "
             "(a refused request did not)", labels=["class", "tenant", "met"])
-        for key, count in list(self.slo.items()):
-            slo.add_metric(list(key), count)
+        for key, each in counts:
+            for met, count in (("true", each.slo_met), ("false", each.slo_missed)):
+                if count:
+                    slo.add_metric([*key, met], count)
         yield slo
         yield GaugeMetricFamily(
             "kvlb_flow_shared_peers", "Other instances whose tenants' shares flow control counts (through "

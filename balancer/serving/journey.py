@@ -127,7 +127,7 @@ class Forwarder:
             if ticket is not None:
                 assert self.flow is not None
                 self.flow.done(ticket, ended)
-                if ttft is not None and outcome.answered:
+                if ticket.queued_s > 0 and ttft is not None and outcome.answered:
                     self.flow.flow.first_byte(ticket, ttft - ticket.queued_s)
                 self.flow.metrics.observe(ticket, outcome.status, outcome.error, ttft)
             # A model no replica lists is the client's free text: kept out of the labels.
@@ -147,7 +147,7 @@ class Forwarder:
         if self.settings.flow_control.trust_headers:
             named = request.header(TENANT_HEADER)
             if named is not None:
-                if not LABEL_NAME.fullmatch(named):
+                if not flow.known_tenant(named) and not LABEL_NAME.fullmatch(named):
                     raise ClientError(400, f"{TENANT_HEADER} must be 1 to 100 visible ASCII characters",
                                       "invalid_tenant", param=TENANT_HEADER)
                 tenant = named
@@ -217,7 +217,7 @@ class Forwarder:
         if explained is not None:
             log.debug("request %s %s model %s: %s", request_id, route, features.model, explained)
         extra = [(ROUTE_HEADER, explained)] if self._route_header and explained else None
-        if ticket is not None:
+        if ticket is not None and ticket.reserved:
             assert self.core.flow is not None
             self.core.flow.placed(ticket)  # its first attempt takes the slot it was given
         await self.proxy.forward(request, journey, request_id, outcome, extra)

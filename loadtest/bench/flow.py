@@ -5,7 +5,7 @@ Two kvlb processes, the same but for flow control (the issue's minimal configura
 trusted headers), take turns on the same requests, each carrying a tenant and a class; the
 ratio of their CPU time per request is the cost flow control adds when nothing waits.
 
-    python -m loadtest.bench.flow [--requests 3000] [--concurrency 16] [--rounds 3]
+    python -m loadtest.bench.flow [--requests 3000] [--concurrency 16] [--rounds 6]
 """
 
 from __future__ import annotations
@@ -60,17 +60,23 @@ async def bench(args: argparse.Namespace) -> None:
                 await wait_for_http(url + "/ready")
             headers = {"x-kvlb-tenant": "acme", "x-kvlb-priority": "critical"}
             per_request: dict[str, list[float]] = {"off": [], "on": []}
-            for _ in range(args.rounds):
-                for name, (proc, url) in targets.items():
+            names = list(targets)
+            for round_ in range(args.rounds):
+                # Each round reverses the order of the last: whichever runs second in a round
+                # can find the machine in another state, and that must not read as a cost.
+                for name in names if round_ % 2 == 0 else names[::-1]:
+                    proc, url = targets[name]
                     before = read_cpu_seconds(proc.pid)
                     await measure(url + "/v1/chat/completions", args.concurrency, args.requests, BODY, headers)
                     spent = read_cpu_seconds(proc.pid) - before
                     per_request[name].append(spent / (args.requests + 2 * args.concurrency))
             off, on = statistics.median(per_request["off"]), statistics.median(per_request["on"])
+            ratios = sorted(b / a for a, b in zip(per_request["off"], per_request["on"], strict=True))
             print(f"kvlb CPU per request below saturation, {args.requests} requests x {args.rounds} rounds at "
                   f"concurrency {args.concurrency}, {os.cpu_count()} CPUs (median of rounds)")
             print(f"  flow control off: {off * 1e6:6.0f} µs")
             print(f"  flow control on:  {on * 1e6:6.0f} µs   ({on / off:.2f}x; floor: within 1.10x)")
+            print(f"  on/off of each round: {' '.join(f'{r:.2f}' for r in ratios)} (sorted)")
         finally:
             for proc in procs:
                 stop_process(proc)
@@ -80,7 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=6)
     import uvloop
 
     uvloop.run(bench(parser.parse_args()))

@@ -4,6 +4,7 @@ proxy's futures would be woken."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from balancer.errors import ClientError
@@ -87,7 +88,7 @@ class SimulatedFlow:
         if ticket.state == QUEUED:
             self.sim._at(ticket.deadline, self.deadline_event, ticket.waiter)
 
-    def _wake(self, woken: list[Ticket], displaced: list[Ticket] | tuple[()]) -> None:
+    def _wake(self, woken: Sequence[Ticket], displaced: Sequence[Ticket]) -> None:
         sim = self.sim
         for ticket in displaced:
             refusal = ticket.refusal
