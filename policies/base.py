@@ -106,6 +106,9 @@ class RequestFeatures:
 MODEL_TTFT_TERM = "model_ttft_ms"
 # Likewise its predicted time per output token there, which fits each replica's decode speed.
 MODEL_ITL_TERM = "model_itl_ms"
+# Its predicted time to first token there in this fleet's own milliseconds (the fitted speed
+# applied): what flow control adds to a queued request's wait to judge its target.
+TTFT_TERM = "ttft_ms"
 
 
 # Not frozen: one is built per replica per request, and frozen dataclasses cost 3x to create.
@@ -122,6 +125,8 @@ class Policy:
 
     name: ClassVar[str] = ""
     needs_prompt: ClassVar[bool] = False
+    # Whether its choices carry TTFT_TERM: a prediction of time, not only an order.
+    predicts_time: ClassVar[bool] = False
 
     def __init__(self, *, seed: int | None = None, **params: Any) -> None:
         if params:
@@ -133,7 +138,8 @@ class Policy:
         """Every replica in `replicas`, each once, most preferred first.
 
         `replicas` holds only eligible replicas (healthy, serving the model, below their
-        concurrency cap) and is never empty. Failover takes the next entry, so the whole
-        order matters, not just the head.
+        concurrency cap, except when flow control asks a policy that `predicts_time` for a
+        waiting request's prediction) and is never empty. Failover takes the next entry, so
+        the whole order matters, not just the head.
         """
         raise NotImplementedError

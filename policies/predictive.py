@@ -69,6 +69,7 @@ from typing import Any
 from policies.base import (
     MODEL_ITL_TERM,
     MODEL_TTFT_TERM,
+    TTFT_TERM,
     Choice,
     Policy,
     ReplicaView,
@@ -150,6 +151,7 @@ class PredictivePolicy(Policy):
 
     name = "predictive"
     needs_prompt = True
+    predicts_time = True
 
     def __init__(
         self,
@@ -316,7 +318,7 @@ class PredictivePolicy(Policy):
                     {
                         "cached": cached + 0.0,
                         "output_tokens": n,
-                        "ttft_ms": ttft,
+                        TTFT_TERM: ttft,
                         MODEL_TTFT_TERM: model_ttft,
                         MODEL_ITL_TERM: (own_decode + batch) * inv_w,
                         "decode_ms": decode,

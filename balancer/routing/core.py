@@ -47,7 +47,14 @@ from balancer.routing.flow import FlowController
 from balancer.routing.latency import LatencyFit
 from balancer.routing.output_length import OutputLengths
 from balancer.routing.tracker import CacheTracker, Lesson, Routed
-from policies.base import MODEL_ITL_TERM, MODEL_TTFT_TERM, Choice, Policy, RequestFeatures
+from policies.base import (
+    MODEL_ITL_TERM,
+    MODEL_TTFT_TERM,
+    TTFT_TERM,
+    Choice,
+    Policy,
+    RequestFeatures,
+)
 
 # Phases of one attempt on one replica.
 IDLE, PREFILLING, DECODING = 0, 1, 2
@@ -159,6 +166,21 @@ class RoutingCore:
         else:
             output = min(expected, limit) if limit is not None else expected
         return prompt + output
+
+    def predicted_ttft_s(self, route: str, features: RequestFeatures, prompt: str | Sequence[int] | None,
+                         allowed_regions: frozenset[str] | None, now: float,
+                         origin_region: str | None = None) -> float | None:
+        """The policy's predicted time to first token on the replica it would choose now,
+        room or not: for flow control, what a request that must wait adds to its wait. None
+        when the policy predicts no times or nothing could serve the request."""
+        if not self.policy.predicts_time:
+            return None
+        replicas = self.fleet.routable(features.model, allowed_regions, now)
+        if not replicas:
+            return None
+        ranking = self.plan(route, features, prompt, replicas, origin_region).ranking
+        ms = ranking[0].terms.get(TTFT_TERM) if ranking else None
+        return None if ms is None else ms / 1000.0
 
     def plan(
         self,

@@ -184,6 +184,14 @@ class Fleet:
             )
         return ready
 
+    def routable(self, model: str | None, allowed_regions: frozenset[str] | None, now: float) -> list[Replica]:
+        """The replicas `model` could go to once one has room: `candidates` but for room."""
+        return [
+            r for r in self.replicas
+            if r.healthy and not r.draining and r.serves(model) and r.breaker.allows(now)
+            and (allowed_regions is None or r.labels.get("region") in allowed_regions)
+        ]
+
     def free_slots(self, model: str | None, now: float, unbounded: int) -> int:
         """Requests for `model` the fleet could start now: each routable replica's room
         under its max_concurrency, `unbounded` as soon as one has no cap."""

@@ -24,9 +24,13 @@ While requests wait:
   classes first), else the newest request of the tenant holding the largest share of the
   class's queue, so a flooding tenant fills only its own part.
 - **Targets**: a request with a TTFT target is refused at once when the predicted wait (the
-  requests that go before it, over the rate places have been freeing) plus the time to first
-  token measured after dispatch already exceeds it; once queued it waits no longer than its
-  target allows. Any request predicted to wait most of `limits.queue_timeout_s` is refused
+  requests that go before it, over the rate places have been freeing) plus its own time to
+  first token once dispatched already exceeds it; once queued it waits no longer than its
+  target allows. That time is the routing policy's prediction for this request on the
+  replica it would choose (`ticket.ttft_after_s`, from policies that predict time: its
+  prompt, what of it is cached where, each replica's queue and fitted speed), else the
+  time to first token measured after dispatch, learned from the answers of requests that
+  waited. Any request predicted to wait most of `limits.queue_timeout_s` is refused
   at once too. A client that backs off on 429 can fail over within milliseconds.
 
 The controller decides and never waits, and reads no clock: the driver (the proxy with
@@ -111,6 +115,9 @@ class Ticket:
     queued_at: float = 0.0
     reserved: bool = False  # dispatched, and not yet placed on a replica
     share: Any = None  # its tenant's _Tenant once admitted: what its end gives back to
+    # Its own time to first token once dispatched, as the routing policy predicts it (set by
+    # the driver when it must wait and has a target); else the learned `ttft_estimate_s`.
+    ttft_after_s: float | None = None
     waiter: Any = None
     refusal: ClientError | None = None  # set when displaced: the driver answers with it
 
@@ -343,6 +350,10 @@ class FlowController:
 
     # -- reading ----------------------------------------------------------------------------
 
+    def would_wait(self) -> bool:
+        """Whether a request arriving now could not go at once (it may still be refused)."""
+        return self.queued > 0 or self.in_flight >= self.max_in_flight
+
     def queued_in(self, klass: str) -> int:
         return self.by_name[klass].queued
 
@@ -390,8 +401,9 @@ class FlowController:
         slo = ticket.ttft_slo_s
         waited = now - ticket.arrived
         wait = self.predicted_wait_s(ticket, now, front)
-        if slo is not None and waited + wait + self.ttft_estimate_s > slo:
-            raise refusal(TTFT_SLO, f"the predicted time to first token ({(waited + wait + self.ttft_estimate_s) * 1000:.0f} ms) "
+        after = ticket.ttft_after_s if ticket.ttft_after_s is not None else self.ttft_estimate_s
+        if slo is not None and waited + wait + after > slo:
+            raise refusal(TTFT_SLO, f"the predicted time to first token ({(waited + wait + after) * 1000:.0f} ms) "
                                     f"exceeds its target ({slo * 1000:g} ms)", self._retry_after(wait))
         if waited + wait > EARLY_REFUSAL_SHARE * self.queue_timeout_s:
             # It would time out in line: better told now, with the wait to expect.
@@ -423,7 +435,7 @@ class FlowController:
         limit = ticket.arrived + self.queue_timeout_s
         if slo is not None:
             # Waiting past this cannot meet the target: better an early no.
-            limit = min(limit, ticket.arrived + max(slo - self.ttft_estimate_s, 0.0))
+            limit = min(limit, ticket.arrived + max(slo - after, 0.0))
         ticket.deadline = limit
         return displaced
 

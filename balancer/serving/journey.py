@@ -91,6 +91,8 @@ class Forwarder:
                 outcome.model = features.model or ""
                 if self.flow is not None:
                     ticket = self._ticket(request, features, started)
+                    if ticket.ttft_slo_s is not None and self.flow.flow.would_wait():
+                        self._predict_ttft(request, route, features, ticket, started)
                     if not self.flow.try_enter(ticket, started):
                         await self.flow.wait(ticket)
                 else:
@@ -160,8 +162,19 @@ class Forwarder:
                 slo_s = slo_seconds(target)
         return flow.ticket(tenant, klass, features.model, self.core.flow_cost(features, len(request.body)), slo_s, now)
 
-    async def _candidates(self, model: str | None, allowed: frozenset[str] | None,
-                          ticket: Ticket | None) -> list[Replica]:
+    def _predict_ttft(self, request: Request, route: str, features: RequestFeatures, ticket: Ticket,
+                      now: float) -> None:
+        """A request with a target that must wait: its own time to first token once
+        dispatched, as the policy predicts it, for flow control to judge the target by."""
+        if ticket.ttft_after_s is not None or isinstance(features.prompt, RemotePrompt):
+            return  # predicted already; or its tokens are a replica's to count, not worth a call
+        allowed = request.header(self._allowed_header)
+        ticket.ttft_after_s = self.core.predicted_ttft_s(
+            route, features, features.prompt, allowed_regions(allowed) if allowed is not None else None, now,
+            request.header(self._region_header))
+
+    async def _candidates(self, request: Request, route: str, features: RequestFeatures,
+                          allowed: frozenset[str] | None, ticket: Ticket | None) -> list[Replica]:
         """The replicas that may take the request now; when every one is at its
         max_concurrency, wait for one to free a slot: in flow control's queue, keeping its
         turn, or else up to limits.queue_timeout_s."""
@@ -169,12 +182,14 @@ class Forwarder:
         deadline = loop.time() + self.settings.limits.queue_timeout_s
         while True:
             try:
-                return self.core.candidates(model, allowed, loop.time())
+                return self.core.candidates(features.model, allowed, loop.time())
             except ClientError as exc:
                 if exc.code != FULL:
                     raise
                 if ticket is not None:
                     assert self.flow is not None
+                    if ticket.ttft_slo_s is not None:
+                        self._predict_ttft(request, route, features, ticket, loop.time())
                     await self.flow.saturated(ticket)
                     continue
                 if loop.time() >= deadline:
@@ -198,7 +213,7 @@ class Forwarder:
         clock = time.perf_counter
         allowed = request.header(self._allowed_header)
         candidates = await self._candidates(
-            features.model, allowed_regions(allowed) if allowed is not None else None, ticket
+            request, route, features, allowed_regions(allowed) if allowed is not None else None, ticket
         )
         prompt = features.prompt
         if isinstance(prompt, RemotePrompt):

@@ -39,6 +39,8 @@ class SimulatedFlow:
                                   sim.core.flow_cost(features, len(body)), None, sim.now)
         ticket.waiter = request
         self.tickets[request.index] = ticket
+        if ticket.ttft_slo_s is not None and self.flow.would_wait():
+            ticket.ttft_after_s = sim.predicted_ttft_s(request)
         try:
             outcome, woken, displaced = self.flow.arrive(ticket, sim.now)
         except ClientError as exc:
@@ -51,6 +53,8 @@ class SimulatedFlow:
 
     def saturated(self, request: WorkRequest) -> None:
         ticket = self.tickets[request.index]
+        if ticket.ttft_slo_s is not None and ticket.ttft_after_s is None:
+            ticket.ttft_after_s = self.sim.predicted_ttft_s(request)
         try:
             woken, displaced = self.flow.saturated(ticket, self.sim.now)
         except ClientError as exc:

@@ -354,6 +354,19 @@ class Simulator:
             prepared = self._bodies[request.index] = (payload, body, features)
         return prepared
 
+    def predicted_ttft_s(self, request: WorkRequest) -> float | None:
+        """The policy's prediction of the request's time to first token, as flow control
+        asks `kvlb serve` for it when a request with a target must wait."""
+        payload, _, features = self.prepared(request)
+        prompt = features.prompt
+        if self.kv_events is not None and prompt is not None:
+            try:
+                parsed = (parse_chat if request.route == ROUTE_CHAT else parse_completion)(payload)
+            except ApiError:
+                return None  # refused once it is routed: no time to predict
+            prompt = self.token_ids.of(parsed.tokens)
+        return self.core.predicted_ttft_s(request.route, features, prompt, None, self.now, self.region)
+
     def _route(self, request: WorkRequest, waited: bool = False) -> None:
         """`waited`: it comes from the line for room, and goes back to its head if still full."""
         core = self.core

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 from balancer.config import ReplicaSettings, RoutingSettings
 from balancer.routing.admission import AdmissionQueue
 from balancer.routing.core import CoreSettings, Journey, RoutingCore
@@ -154,3 +156,32 @@ def test_an_ejection_starts_the_same_rule() -> None:
     assert [when for when, _ in c.timers] == [40.0]
     c.run_timers(until=40.0)  # its breaker is still open (or half open): out
     assert c.tracker.predict(PROMPT).cached == {}
+
+
+def test_a_waiting_request_gets_the_predictive_policys_time_on_its_best_replica_even_when_full() -> None:
+    """Flow control asks for the time to first token of a request that must wait: the
+    policy's prediction on the replica it would choose, counted although every replica is
+    at its cap; policies that predict no time give none."""
+    fleet = Fleet([ReplicaSettings(url=f"http://127.0.0.1:900{i}", name=f"r{i}", max_concurrency=1) for i in range(2)])
+    tracker = CacheTracker(RoutingSettings(), lambda: 0.0)
+    core = RoutingCore(fleet, make_policy("predictive"), tracker, AdmissionQueue(8, 8), CoreSettings(),
+                       call_at=lambda when, callback: None)
+    features = RequestFeatures("/v1/completions")
+    busy = core.plan("/v1/completions", features, PROMPT * 20, fleet.replicas)
+    assert core.next_attempt(busy, 0.0) is not None
+    other = core.plan("/v1/completions", features, "another prompt " * 50, fleet.replicas)
+    assert core.next_attempt(other, 0.0) is not None
+    assert all(not r.has_room() for r in fleet.replicas)
+
+    short = core.predicted_ttft_s("/v1/completions", features, "a short question", None, 0.0)
+    long = core.predicted_ttft_s("/v1/completions", features, PROMPT * 40, None, 0.0)
+    assert short is not None and long is not None
+    # 20,000 tokens, half of them cached on r0 behind its 10,000 queued: about half a second.
+    ranking = core.plan("/v1/completions", features, PROMPT * 40, fleet.replicas).ranking
+    assert ranking[0].replica.name == "r0"
+    assert long == pytest.approx(ranking[0].terms["ttft_ms"] / 1000.0)
+    assert short < 0.05 and 0.3 < long < 2.0, (short, long)
+
+    plain = RoutingCore(fleet, make_policy("least_load"), None, AdmissionQueue(8, 8), CoreSettings(),
+                        call_at=lambda when, callback: None)
+    assert plain.predicted_ttft_s("/v1/completions", features, "a short question", None, 0.0) is None

@@ -324,3 +324,24 @@ def test_no_headroom_is_held_for_a_tenant_alone_in_its_class():
     room["m"] = 1
     assert flow.pump(0.1) == [first]
 
+
+
+def test_a_requests_own_predicted_time_after_dispatch_decides_its_target():
+    """With the policy's prediction for the request itself (its prompt, its cache, the
+    replica's queue), a long prompt is refused where a short one with the same target waits,
+    whatever the time learned from earlier answers says."""
+    flow = controller(max_in_flight=1)
+    fill(flow, 1)
+    flow.ttft_estimate_s = 1.5  # earlier waiters' answers took long: a short prompt need not
+    short = flow.ticket("x", "critical", None, 100, None, 0.0)
+    short.ttft_after_s = 0.1
+    assert flow.arrive(short, 0.0)[0] == WAIT
+    assert short.deadline == pytest.approx(1.9)  # it waits as long as its own time allows
+    long = flow.ticket("y", "critical", None, 100, None, 0.0)
+    long.ttft_after_s = 2.5
+    with pytest.raises(ClientError) as refused:
+        flow.arrive(long, 0.0)
+    assert refused.value.code == TTFT_SLO and "2500 ms" in refused.value.message
+    # Without a prediction of its own, the learned time stands in.
+    plain = flow.ticket("z", "critical", None, 100, None, 0.0)
+    assert flow.arrive(plain, 0.0)[0] == WAIT and plain.deadline == pytest.approx(0.5)

@@ -115,6 +115,28 @@ async def test_a_request_that_cannot_meet_its_target_is_told_at_once():
     assert "urgent" not in order
 
 
+async def test_a_prompt_too_long_to_prefill_within_its_target_is_told_at_once():
+    """With the predictive policy the judgement is the request's own: while the replica is
+    busy, a 36,000-token prompt, whose prefill alone the policy puts past its 800 ms target,
+    is refused at once; a short one with the same target waits its turn and is served."""
+    order: list[str] = []
+    async with AsyncExitStack() as stack:
+        running = await start(stack, order, {"blocker": 0.2}, policy={"name": "predictive"})
+        async with aiohttp.ClientSession() as http:
+            blocker = asyncio.create_task(post(http, running.url, "blocker"))
+            while "blocker" not in order:
+                await asyncio.sleep(0.01)
+            target = {"x-kvlb-ttft-slo-ms": "800"}
+            began = time.monotonic()
+            status, headers, body = await post(http, running.url, "lorem ipsum " * 12000, target)
+            elapsed = time.monotonic() - began
+            assert status == 429 and headers["x-kvlb-reject-reason"] == "ttft_slo_unattainable", body
+            assert "predicted time to first token" in body["error"]["message"] and elapsed < 0.15
+            status, _, _ = await post(http, running.url, "a short one", target)
+            await blocker
+    assert status == 200 and order == ["blocker", "a short one"]
+
+
 async def test_tenants_come_from_api_keys_and_show_in_the_log_and_metrics(caplog):
     order: list[str] = []
     auth = {"tenants": [{"name": "acme", "api_keys": ["key-acme"], "priority": "critical"},
