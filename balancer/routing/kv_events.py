@@ -56,6 +56,10 @@ class Stored:
     block_size: int
     lora_id: Any = None
     medium: Any = None
+    # The adapter by name (newer vLLM, whose block hashes take the name): how kvlb keys the
+    # blocks. An adapter given only by its engine-local `lora_id` cannot be matched to the
+    # names requests use, and its blocks are ignored.
+    lora_name: str | None = None
     # The token ids packed as the hashing reads them, when decoding already packed them to
     # check them: packing twice would cost more than half as much again as hashing.
     packed: array | None = field(default=None, compare=False, repr=False)
@@ -81,7 +85,7 @@ def _event(raw: Any) -> Event | None:
         kind = raw.get("type")
         if kind == STORED:
             return _stored(raw["block_hashes"], raw.get("parent_block_hash"), raw["token_ids"],
-                           raw["block_size"], raw.get("lora_id"), raw.get("medium"))
+                           raw["block_size"], raw.get("lora_id"), raw.get("medium"), raw.get("lora_name"))
         if kind == REMOVED:
             return _removed(raw["block_hashes"], raw.get("medium"))
         if kind == CLEARED:
@@ -95,7 +99,8 @@ def _event(raw: Any) -> Event | None:
             hashes, parent, tokens, block_size = fields[:4]
             lora = fields[4] if len(fields) > 4 else None
             medium = fields[5] if len(fields) > 5 else None
-            return _stored(hashes, parent, tokens, block_size, lora, medium)
+            lora_name = fields[6] if len(fields) > 6 else None
+            return _stored(hashes, parent, tokens, block_size, lora, medium, lora_name)
         if kind == REMOVED:
             if not fields:
                 raise MalformedEvents("BlockRemoved has no block hashes")
@@ -126,7 +131,8 @@ def _medium(value: Any) -> Any:
     return value
 
 
-def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora: Any, medium: Any) -> Stored:
+def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora: Any, medium: Any,
+            lora_name: Any = None) -> Stored:
     hashes = _block_hashes(hashes)
     if parent is not None and not _is_block_hash(parent):
         raise MalformedEvents(f"parent_block_hash must be a block hash or null, got {_shown(parent)}")
@@ -134,6 +140,8 @@ def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora: Any, m
         raise MalformedEvents(f"block_size must be an integer, got {_shown(block_size)}")
     if lora is not None and type(lora) not in (int, str):
         raise MalformedEvents(f"lora_id must be an integer or null, got {_shown(lora)}")
+    if lora_name is not None and (type(lora_name) is not str or not lora_name):
+        raise MalformedEvents(f"lora_name must be a non-empty string or null, got {_shown(lora_name)}")
     # A list only: array() would also take bytes (as raw machine words) or a map's keys.
     if not isinstance(tokens, list):
         raise MalformedEvents(f"token_ids must be a list, got {_shown(tokens)}")
@@ -141,7 +149,7 @@ def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora: Any, m
         packed = array("I", tokens)
     except (TypeError, OverflowError) as exc:
         raise MalformedEvents(f"token_ids must be integers in [0, 2**32): {exc}") from None
-    return Stored(hashes, parent, tokens, block_size, lora, _medium(medium), packed)
+    return Stored(hashes, parent, tokens, block_size, lora, _medium(medium), lora_name, packed)
 
 
 def _removed(hashes: Any, medium: Any) -> Removed:
@@ -191,7 +199,7 @@ class EventStats:
     cleared: int = 0
     gaps: int = 0  # lost messages detected: the replica's entries were dropped
     unknown_parent: int = 0  # stored blocks whose parent kvlb never saw: not indexed
-    ignored: int = 0  # other media, LoRA adapters, another block size
+    ignored: int = 0  # other media, adapters named only by id, another block size
     malformed: int = 0
     last_lag_s: float = 0.0  # from the engine's timestamp to applying the batch
     connected: set[str] = field(default_factory=set)
@@ -314,7 +322,7 @@ class KvEventIndex:
     def _stored(self, replica: str, blocks: ReplicaBlocks, event: Stored) -> None:
         stats = self.stats
         count = len(event.block_hashes)
-        if (event.medium not in PRIMARY_MEDIA or event.lora_id is not None
+        if (event.medium not in PRIMARY_MEDIA or (event.lora_id is not None and event.lora_name is None)
                 or event.block_size != self.block_size or len(event.token_ids) != count * event.block_size):
             stats.ignored += count
             return
@@ -327,7 +335,7 @@ class KvEventIndex:
                 stats.unknown_parent += count
                 return
         tokens = event.token_ids if event.packed is None else event.packed
-        hashes = token_block_hashes(tokens, self.block_size, parent)
+        hashes = token_block_hashes(tokens, self.block_size, parent, event.lora_name)
         if not self.index.extend(replica, parent, hashes):
             stats.unknown_parent += count
             return

@@ -60,10 +60,10 @@ class PreciseTracker(CacheTracker):
         self._pending: dict[str, dict[int, int]] = {}
         self.events = KvEventIndex(self.exact, settings.block_size, settings.max_blocks_per_replica, self.index)
 
-    def predict(self, prompt: str | Sequence[int], model: str | None = None) -> Routed:
+    def predict(self, prompt: str | Sequence[int], model: str | None = None, adapter: str | None = None) -> Routed:
         if isinstance(prompt, str):
             raise TypeError("precise mode routes on token ids")
-        hashes = self.hasher.lazy(prompt)
+        hashes = self.hasher.lazy(prompt, adapter)
         tokens = len(prompt)
         longest = (tokens - 1) // self.block_size if tokens else 0
         found: dict[str, int] = self.exact.match(hashes)

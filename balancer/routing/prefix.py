@@ -32,6 +32,14 @@ _TEXT_SEED = 0
 _TOKEN_IDS_SEED = 0x6B766C62_746F6B73  # "kvlbtoks"
 
 
+@lru_cache(maxsize=4096)
+def adapter_seed(seed: int, adapter: str | None) -> int:
+    """The first block's seed for a prompt under a LoRA adapter: engines key their prefix
+    cache by adapter (vLLM hashes the adapter into every block), so the same prompt under two
+    adapters shares no cached block, and neither does it with the base model."""
+    return seed if adapter is None else xxh3_64_intdigest(adapter.encode(), seed)
+
+
 class BlockHashes(Sequence[int]):
     """The chained block hashes of one prompt. Each one is computed the first time it is read,
     then kept.
@@ -150,12 +158,13 @@ class PrefixHasher:
         per_char = self.tokens_per_char if tokens_per_char is None else tokens_per_char
         return int(len(text) * per_char + 0.5)
 
-    def lazy(self, prompt: str | Sequence[int]) -> BlockHashes:
+    def lazy(self, prompt: str | Sequence[int], adapter: str | None = None) -> BlockHashes:
         """The prompt's block hashes, computed as they are read. The index's `match` reads
-        only as deep as some replica matches. `prompt` is canonical text or token ids."""
+        only as deep as some replica matches. `prompt` is canonical text or token ids;
+        `adapter` the LoRA adapter it runs under, if any."""
         if isinstance(prompt, str):
-            return BlockHashes(prompt, self.block_chars, _TEXT_SEED)
-        return BlockHashes(_pack_ids(prompt), 4 * self.block_tokens, _TOKEN_IDS_SEED)
+            return BlockHashes(prompt, self.block_chars, adapter_seed(_TEXT_SEED, adapter))
+        return BlockHashes(_pack_ids(prompt), 4 * self.block_tokens, adapter_seed(_TOKEN_IDS_SEED, adapter))
 
     def hashes(self, text: str) -> list[int]:
         """All whole-block chained hashes of `text`."""
@@ -166,10 +175,12 @@ class PrefixHasher:
         return self.lazy(ids).all()
 
 
-def token_block_hashes(ids: Sequence[int], block_tokens: int, parent: int | None = None) -> list[int]:
+def token_block_hashes(ids: Sequence[int], block_tokens: int, parent: int | None = None,
+                       adapter: str | None = None) -> list[int]:
     """Chained hashes of whole blocks of token ids that follow block `parent` (None: the
-    first blocks of a prompt): the keys `PrefixHasher.lazy(ids)` gives the same blocks."""
-    seed = _TOKEN_IDS_SEED if parent is None else parent
+    first blocks of a prompt, under `adapter` if any): the keys `PrefixHasher.lazy(ids,
+    adapter)` gives the same blocks."""
+    seed = adapter_seed(_TOKEN_IDS_SEED, adapter) if parent is None else parent
     return BlockHashes(_pack_ids(ids), 4 * block_tokens, seed).all()
 
 

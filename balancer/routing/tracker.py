@@ -69,9 +69,9 @@ class CacheTracker:
             default_capacity_tokens=settings.assumed_kv_capacity_tokens,
         )
 
-    def predict(self, prompt: str | Sequence[int], model: str | None = None) -> Routed:
+    def predict(self, prompt: str | Sequence[int], model: str | None = None, adapter: str | None = None) -> Routed:
         hasher = self.hasher
-        hashes = hasher.lazy(prompt)
+        hashes = hasher.lazy(prompt, adapter)
         if isinstance(prompt, str):
             per_char = self.ratio.of(model)
             chars = len(prompt)

@@ -36,10 +36,10 @@ class FlowGate:
         self._wake(woken, displaced)
         await self.wait(ticket)
 
-    def done(self, ticket: Ticket, now: float) -> None:
-        woken = self.flow.done(ticket, now)
-        if woken:
-            self._wake(woken, ())
+    def wake(self, woken: Iterable[Ticket]) -> None:
+        """What `flow.done` handed back (the driver calls the controller itself there: every
+        request ends through it, so one frame fewer)."""
+        self._wake(woken, ())
 
     async def wait(self, ticket: Ticket) -> None:
         """Until its turn comes; raises its refusal."""

@@ -42,7 +42,11 @@ class FlowMetrics(Collector):
         counts = self.counts.get(key)
         if counts is None:
             counts = self.counts[key] = _Counts()
-        counts.queue_time.observe(ticket.queued_s)
+        queued = ticket.queued_s
+        if queued:
+            counts.queue_time.observe(queued)
+        else:  # below saturation every request: its bucket is known, no search
+            counts.queue_time.counts[0] += 1
         answered = status < 400 and ttft_s is not None
         if answered:
             counts.served += 1

@@ -127,11 +127,14 @@ class Forwarder:
             elapsed = ended - started
             ttft = None if outcome.first_byte_at is None else outcome.first_byte_at - started
             if ticket is not None:
-                assert self.flow is not None
-                self.flow.done(ticket, ended)
+                gate = self.flow
+                assert gate is not None
+                woken = gate.flow.done(ticket, ended)
+                if woken:
+                    gate.wake(woken)
                 if ticket.queued_s > 0 and ttft is not None and outcome.answered:
-                    self.flow.flow.first_byte(ticket, ttft - ticket.queued_s)
-                self.flow.metrics.observe(ticket, outcome.status, outcome.error, ttft)
+                    gate.flow.first_byte(ticket, ttft - ticket.queued_s)
+                gate.metrics.observe(ticket, outcome.status, outcome.error, ttft)
             # A model no replica lists is the client's free text: kept out of the labels.
             model = self.fleet.model_label(outcome.model, loop.time())
             failover = outcome.answered and len(outcome.attempts) > 1
