@@ -65,7 +65,9 @@ class SimulatedFlow:
         self._wake(woken, displaced)
 
     def placed(self, request: WorkRequest) -> None:
-        self.flow.placed(self.tickets[request.index])
+        ticket = self.tickets[request.index]
+        if ticket.reserved:  # as the proxy: only a dispatched ticket holds a reservation
+            self.flow.placed(ticket)
 
     def first_byte(self, request: WorkRequest, now: float) -> None:
         ticket = self.tickets[request.index]
