@@ -37,10 +37,16 @@ class CacheListener(Protocol):
     rebuilds that set exactly."""
 
     def blocks_stored(
-        self, hashes: Sequence[int], parent: int | None, tokens: Sequence[str]
+        self,
+        hashes: Sequence[int],
+        parent: int | None,
+        tokens: Sequence[str],
+        adapter: str | None = None,
     ) -> None:
         """Consecutive blocks of one chain became cached; `parent` is the hash of the block
-        before the first (None at the root) and `tokens` are exactly these blocks' tokens."""
+        before the first (None at the root) and `tokens` are exactly these blocks' tokens.
+        `adapter` names the LoRA adapter that computed them; it is passed only when there is
+        one, so a listener that never meets adapters may leave it out."""
 
     def block_removed(self, block_hash: int) -> None:
         """One cached block was evicted."""
@@ -151,18 +157,20 @@ class PrefixCache:
         parent: int | None,
         tokens: Sequence[str] = (),
         first_block: int = 0,
+        adapter: str | None = None,
     ) -> None:
         """Private blocks became full and computed: make them addressable by hash.
 
         `hashes` are consecutive blocks of one chain and `parent` is the hash of the block
         before the first (None at the root). A block another request already cached is
         shared and this copy freed, so a hot prefix costs its memory once. `tokens` (the
-        whole sequence's) and `first_block` (the index of `hashes[0]` in it, in blocks)
-        only tell a listener which tokens the new blocks hold.
+        whole sequence's), `first_block` (the index of `hashes[0]` in it, in blocks) and
+        `adapter` (the LoRA adapter's name, None for the base model) only tell a listener
+        which tokens the new blocks hold and for whom.
         """
         listener = self.listener
         if listener is not None:
-            self._report_stored(listener, hashes, parent, tokens, first_block)
+            self._report_stored(listener, hashes, parent, tokens, first_block, adapter)
         self._private_blocks -= len(hashes)
         refs = self._refs
         parents = self._parents
@@ -189,6 +197,7 @@ class PrefixCache:
         parent: int | None,
         tokens: Sequence[str],
         first_block: int,
+        adapter: str | None,
     ) -> None:
         # Before the blocks go in: a run of blocks not yet cached is one stored event, and
         # a block already cached (shared, not stored) ends the run.
@@ -202,9 +211,12 @@ class PrefixCache:
             elif not new and start is not None:
                 run_parent = hashes[start - 1] if start else parent
                 begin = (first_block + start) * size
-                listener.blocks_stored(
-                    hashes[start:i], run_parent, tokens[begin : begin + (i - start) * size]
-                )
+                run = hashes[start:i]
+                run_tokens = tokens[begin : begin + (i - start) * size]
+                if adapter is None:
+                    listener.blocks_stored(run, run_parent, run_tokens)
+                else:
+                    listener.blocks_stored(run, run_parent, run_tokens, adapter=adapter)
                 start = None
 
     def release(self, hashes: Sequence[int], private_blocks: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from typing import Any
@@ -21,9 +22,12 @@ from loadtest.replica.kv_events import (
     KvEventsUnavailable,
     require_packages,
 )
+from loadtest.replica.lora import parse_lora_module
 from loadtest.replica.profiles import DEFAULT_PROFILE, PROFILES
 
 HELP = "run a simulated GPU replica (vLLM/SGLang-compatible HTTP API)"
+# vLLM's switch for the load/unload adapter routes; read as vLLM reads it.
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +57,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     events.add_argument("--kv-events-topic", default=DEFAULT_TOPIC)
     events.add_argument("--kv-events-encoding", default="map", choices=ENCODINGS)
+    lora = parser.add_argument_group("LoRA adapters (vLLM's flags)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    lora.add_argument(
+        "--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+        help='adapters to register at start: NAME=PATH or {"name": ..., "path": ..., '
+        '"base_model_name": ...}',
+    )  # fmt: skip
+    lora.add_argument(
+        "--max-loras", type=int, default=1, help="adapters resident in GPU slots at once"
+    )
+    lora.add_argument(
+        "--lora-load-ms", type=float, default=20.0,
+        help="model milliseconds to load an adapter into a slot",
+    )  # fmt: skip
+    lora.add_argument(
+        "--allow-runtime-lora-updating", action="store_true",
+        help=f"mount /v1/load_lora_adapter and /v1/unload_lora_adapter (also {RUNTIME_LORA_ENV}=True)",
+    )  # fmt: skip
     faults = parser.add_argument_group("fault injection (also POST /admin/fault)")
     faults.add_argument("--fault-error-rate", type=float, default=0.0, help="fraction answered 503")
     faults.add_argument(
@@ -100,7 +122,17 @@ def config_from_args(args: argparse.Namespace) -> ReplicaConfig:
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_topic=args.kv_events_topic,
         kv_events_encoding=args.kv_events_encoding,
+        enable_lora=args.enable_lora,
+        lora_modules=tuple(parse_lora_module(entry) for entry in args.lora_modules),
+        max_loras=args.max_loras,
+        lora_load_ms=args.lora_load_ms,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating
+        or runtime_lora_updating_from_env(),
     )
+
+
+def runtime_lora_updating_from_env() -> bool:
+    return os.environ.get(RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
 
 
 async def serve(config: ReplicaConfig) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from loadtest.replica.engine import EngineConfig
 from loadtest.replica.faults import Faults
 from loadtest.replica.kv_events import DEFAULT_TOPIC, ENCODINGS, Encoding
+from loadtest.replica.lora import LoraModule
 from loadtest.replica.profiles import DEFAULT_PROFILE, get_profile
 
 
@@ -31,6 +32,12 @@ class ReplicaConfig:
     kv_events_endpoint: str | None = None
     kv_events_topic: str = DEFAULT_TOPIC
     kv_events_encoding: Encoding = "map"  # current vLLM and SGLang; "array": vLLM <= 0.23
+    # LoRA adapters, as vLLM's flags of the same names; see lora.py.
+    enable_lora: bool = False
+    lora_modules: tuple[LoraModule, ...] = ()
+    max_loras: int = 1  # adapters in GPU slots at once
+    lora_load_ms: float = 20.0  # model milliseconds to load one into a slot
+    allow_runtime_lora_updating: bool = False  # mounts the load/unload routes
 
     def __post_init__(self) -> None:
         get_profile(self.profile)  # fail early on a typo
@@ -44,6 +51,21 @@ class ReplicaConfig:
             raise ValueError(f"kv_events_encoding must be one of {', '.join(ENCODINGS)}")
         if self.kv_events_endpoint is not None and "://" not in self.kv_events_endpoint:
             raise ValueError("kv_events_endpoint must be a ZMQ endpoint like tcp://*:5557")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules need enable_lora (--enable-lora)")
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be at least 1")
+        if self.lora_load_ms < 0:
+            raise ValueError("lora_load_ms must not be negative")
+        names = [module.name for module in self.lora_modules]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"lora_modules name the adapter '{name}' twice")
+            if name == self.model_name:
+                raise ValueError(f"the adapter name '{name}' is the served model's name")
 
     @property
     def model_name(self) -> str:
@@ -58,4 +80,6 @@ class ReplicaConfig:
             max_batched_tokens=self.max_batched_tokens,
             max_waiting=self.max_waiting,
             context_limit=self.context_limit,
+            max_loras=self.max_loras if self.enable_lora else 0,
+            lora_load_s=self.lora_load_ms / 1000 if self.enable_lora else 0.0,
         )

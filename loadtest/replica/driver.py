@@ -119,10 +119,20 @@ class RealtimeDriver:
         return (self._loop.time() - self._origin) * self.time_scale
 
     def submit(
-        self, tokens: list[str], max_tokens: int, listener: TokenListener, request_id: str = ""
+        self,
+        tokens: list[str],
+        max_tokens: int,
+        listener: TokenListener,
+        request_id: str = "",
+        adapter: str | None = None,
     ) -> EngineSequence:
         seq = self.engine.submit(
-            tokens, max_tokens, self.model_now(), request_id=request_id, owner=listener
+            tokens,
+            max_tokens,
+            self.model_now(),
+            request_id=request_id,
+            owner=listener,
+            adapter=adapter,
         )
         if self._timer is None and self._loop is not None and self.failed is None:
             self._timer = self._loop.call_soon(self._tick, context=self._context)

@@ -17,6 +17,14 @@ Per iteration, like vLLM V1 with chunked prefill:
    `max_running` sequences run, and prefill budget is left. A head that does not fit blocks
    the queue: it waits rather than fails.
 Its duration comes from the profile's calibrated formula.
+
+LoRA adapters (`max_loras` > 0): a sequence may name an adapter, which keys its block hashes
+(`tokens.adapter_root`) and must sit in one of `max_loras` GPU slots while it runs. A waiting
+sequence whose adapter is not resident loads it into a free slot, or into the slot of the
+least recently used adapter no running sequence uses; each load adds `lora_load_s` to the
+iteration. When every slot serves running sequences it is passed over, keeping its place,
+and the sequences behind it may still be admitted, as vLLM's scheduler skips a request that
+would put more than `max_loras` adapters in the batch.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from typing import Any
 
 from loadtest.replica.cache import CacheListener, PrefixCache
 from loadtest.replica.profiles import Profile
-from loadtest.replica.tokens import FILLER_WORDS, ROOT_HASH, block_hashes, chain_hash
+from loadtest.replica.tokens import FILLER_WORDS, adapter_root, block_hashes, chain_hash
 
 FILLER_COUNT = len(FILLER_WORDS)
 
@@ -59,6 +67,8 @@ class EngineConfig:
     max_batched_tokens: int = 8192
     max_waiting: int = 4096
     context_limit: int = 131072
+    max_loras: int = 0  # adapters resident in GPU slots at once; 0: LoRA off
+    lora_load_s: float = 0.0  # model seconds to load an adapter into a slot
 
     def __post_init__(self) -> None:
         for name in (
@@ -72,6 +82,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < self.block_size:
             raise ValueError("kv_capacity_tokens must hold at least one block")
+        if self.max_loras < 0:
+            raise ValueError("max_loras must not be negative")
+        if self.lora_load_s < 0:
+            raise ValueError("lora_load_s must not be negative")
 
     @property
     def capacity_tokens(self) -> int:
@@ -90,6 +104,7 @@ class EngineSequence:
     arrival_time: float
     hashes: list[int]  # chained hashes of the full blocks of `tokens`
     owner: Any = None  # the driver's handle (a stream, a future); never read here
+    adapter: str | None = None  # the LoRA adapter serving it; None: the base model
     status: Status = Status.WAITING
     num_generated: int = 0
     cached_tokens: int = 0  # prompt tokens found in cache at first admission
@@ -126,6 +141,7 @@ class Iteration:
     emitted: list[EngineSequence] = field(default_factory=list)
     finished: list[EngineSequence] = field(default_factory=list)
     preempted: list[EngineSequence] = field(default_factory=list)
+    lora_loads: int = 0  # adapters loaded into a slot; each adds `lora_load_s` to `duration`
 
     @property
     def end(self) -> float:
@@ -144,6 +160,8 @@ class EngineCounters:
     requests_finished: int = 0
     requests_aborted: int = 0
     preemptions: int = 0
+    lora_loads: int = 0
+    lora_evictions: int = 0
 
 
 class Engine:
@@ -158,6 +176,8 @@ class Engine:
         self._waiting_tokens = 0
         self._busy_until = 0.0
         self._ids = itertools.count()
+        # Resident adapters, least recently used first, and the running sequences using each.
+        self._adapters: OrderedDict[str, int] = OrderedDict()
 
     # -- state a driver or a metrics page reads ------------------------------------------
 
@@ -196,6 +216,15 @@ class Engine:
     def waiting(self) -> list[EngineSequence]:
         return list(self._waiting.values())
 
+    def resident_adapters(self) -> list[str]:
+        """The adapters in GPU slots, least recently used first."""
+        return list(self._adapters)
+
+    def adapter_users(self) -> dict[str, int]:
+        """The adapters in GPU slots, least recently used first, with how many running
+        sequences use each."""
+        return dict(self._adapters)
+
     # -- requests in and out -------------------------------------------------------------
 
     def submit(
@@ -207,8 +236,18 @@ class Engine:
         request_id: str = "",
         owner: Any = None,
         hashes: list[int] | None = None,
+        adapter: str | None = None,
     ) -> EngineSequence:
-        """Queue a request. The engine keeps `tokens` and appends generated words to it."""
+        """Queue a request. The engine keeps `tokens` and appends generated words to it.
+
+        `adapter` names the LoRA adapter to serve it (None: the base model); `hashes`, when
+        given, must be keyed by it as `tokens.adapter_root` keys them.
+        """
+        if adapter is not None:
+            if not self.config.max_loras:
+                raise ValueError(f"adapter {adapter!r} requested but LoRA is off (max_loras 0)")
+            if not adapter:
+                raise ValueError("an adapter name must not be empty")
         if not tokens:
             raise ValueError("a prompt needs at least one token")
         if max_tokens < 1:
@@ -222,7 +261,7 @@ class Engine:
         if len(self._waiting) >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         if hashes is None:
-            hashes = block_hashes(tokens, self.block_size)
+            hashes = block_hashes(tokens, self.block_size, parent=adapter_root(adapter))
         seq = EngineSequence(
             seq_id=next(self._ids),
             request_id=request_id,
@@ -232,6 +271,7 @@ class Engine:
             arrival_time=now,
             hashes=hashes,
             owner=owner,
+            adapter=adapter,
         )
         self._waiting[seq.seq_id] = seq
         self._waiting_tokens += len(tokens)
@@ -291,8 +331,9 @@ class Engine:
             decode_context += computed + 1
             decodes.append(seq)
 
+        loads = 0
         if self._waiting and (not preempted or not (prefills or decodes)):
-            budget, prefill_tokens, prefill_attention = self._admit(
+            budget, prefill_tokens, prefill_attention, loads = self._admit(
                 budget, prefill_tokens, prefill_attention, prefills
             )
 
@@ -301,6 +342,10 @@ class Engine:
         duration = self.profile.iteration_seconds(
             prefill_tokens, prefill_attention, len(decodes), decode_context
         )
+        if loads:
+            duration += loads * self.config.lora_load_s
+        if self._adapters:
+            self._touch_adapters()
         iteration = Iteration(
             start=now,
             duration=duration,
@@ -308,6 +353,7 @@ class Engine:
             decode_seqs=len(decodes),
             decode_context=decode_context,
             preempted=preempted,
+            lora_loads=loads,
         )
         end = iteration.end
         for seq, chunk in prefills:
@@ -391,7 +437,7 @@ class Engine:
             hashes = seq.hashes
             full = len(tokens) // block_size
             if full > len(hashes):
-                parent = hashes[-1] if hashes else ROOT_HASH
+                parent = hashes[-1] if hashes else adapter_root(seq.adapter)
                 hashes.extend(block_hashes(tokens, block_size, len(hashes), parent))
             seq.num_computed += iterations
             blocks = -(-seq.num_computed // block_size)
@@ -400,6 +446,8 @@ class Engine:
                     raise RuntimeError("advance_decode beyond decode_run")
                 seq.num_blocks = blocks
             self._commit_full_blocks(seq)
+        if self._adapters:
+            self._touch_adapters()
         counters = self.counters
         counters.iterations += iterations
         counters.generation_tokens += iterations * len(self._running)
@@ -425,12 +473,26 @@ class Engine:
         prefill_tokens: int,
         prefill_attention: float,
         prefills: list[tuple[EngineSequence, int]],
-    ) -> tuple[int, int, float]:
+    ) -> tuple[int, int, float, int]:
         block_size = self.block_size
         cache = self.cache
         waiting = self._waiting
+        adapters = self._adapters
+        loads = 0
+        passed_over: list[EngineSequence] = []
         while waiting and budget and len(self._running) < self.config.max_running:
             seq = next(iter(waiting.values()))
+            adapter = seq.adapter
+            load = evict = None
+            if adapter is not None and adapter not in adapters:
+                load = adapter
+                if len(adapters) >= self.config.max_loras:
+                    evict = next((name for name, users in adapters.items() if not users), None)
+                    if evict is None:
+                        # Out of the queue for this pass only: it goes back in front below.
+                        del waiting[seq.seq_id]
+                        passed_over.append(seq)
+                        continue
             length = len(seq.tokens)
             total_blocks = -(-length // block_size)
             # At least the last prompt token is always computed, to produce the first output.
@@ -442,6 +504,15 @@ class Engine:
             new_blocks = total_blocks - matched
             if not cache.can_allocate(new_blocks, unreferenced):
                 break  # first come, first served: the head waits for space
+            if adapter is not None:
+                if load is not None:
+                    if evict is not None:
+                        del adapters[evict]
+                        self.counters.lora_evictions += 1
+                    adapters[load] = 0
+                    self.counters.lora_loads += 1
+                    loads += 1
+                adapters[adapter] += 1
             cache.acquire(hashes[:matched])
             cache.allocate(new_blocks)
             del waiting[seq.seq_id]
@@ -462,7 +533,17 @@ class Engine:
             prefill_tokens += chunk
             prefill_attention += chunk * (seq.num_computed + chunk / 2)
             prefills.append((seq, chunk))
-        return budget, prefill_tokens, prefill_attention
+        for seq in reversed(passed_over):
+            waiting[seq.seq_id] = seq
+            waiting.move_to_end(seq.seq_id, last=False)
+        return budget, prefill_tokens, prefill_attention, loads
+
+    def _touch_adapters(self) -> None:
+        """The adapters of this iteration's sequences become the most recently used, in
+        their order, as vLLM touches each active adapter at every step."""
+        adapters = self._adapters
+        for name in [name for name, users in adapters.items() if users]:
+            adapters.move_to_end(name)
 
     def _emit(self, seq: EngineSequence, end: float, iteration: Iteration) -> None:
         """`seq` produced its next token in `iteration`, which ends at `end`."""
@@ -487,7 +568,7 @@ class Engine:
         """The token just appended filled a block: chain its hash to the sequence's (all
         blocks before it are hashed already)."""
         hashes = seq.hashes
-        parent = hashes[-1] if hashes else ROOT_HASH
+        parent = hashes[-1] if hashes else adapter_root(seq.adapter)
         hashes.append(chain_hash(seq.tokens[-self.block_size :], parent))
 
     def _commit_full_blocks(self, seq: EngineSequence) -> None:
@@ -496,12 +577,16 @@ class Engine:
         end = min(len(hashes), seq.num_computed // self.block_size)
         if end > start:
             parent = hashes[start - 1] if start else None
-            self.cache.commit(hashes[start:end], parent, seq.tokens, start)
+            self.cache.commit(hashes[start:end], parent, seq.tokens, start, seq.adapter)
             seq.num_shared = end
 
     def _release(self, seq: EngineSequence) -> None:
+        """Its blocks back to the cache and its use of its adapter's slot ended: a finish,
+        an abort or a preemption."""
         self.cache.release(seq.hashes[: seq.num_shared], seq.num_blocks - seq.num_shared)
         seq.num_shared = seq.num_blocks = 0
+        if seq.adapter is not None:
+            self._adapters[seq.adapter] -= 1
 
     def _preempt(self, seq: EngineSequence) -> None:
         """Recompute later, as vLLM V1 does: its whole context becomes the next prefill."""
@@ -517,6 +602,15 @@ class Engine:
 
     def clear_cache(self) -> None:
         self.cache.clear()
+
+    def drop_adapter(self, adapter: str) -> bool:
+        """Free an adapter's slot (it was unregistered). False if it is not resident, or if
+        running sequences still use it: it then stays, to be evicted like any idle one."""
+        users = self._adapters.get(adapter)
+        if users is None or users:
+            return False
+        del self._adapters[adapter]
+        return True
 
     def set_cache_listener(self, listener: CacheListener | None) -> None:
         """Watch the prefix cache's hashed blocks (the replica's KV events); the hashes are

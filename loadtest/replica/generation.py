@@ -3,7 +3,9 @@
 Each request is parsed and checked, queued in the engine, then answered from its
 `TokenListener`: a stream writes one chunk per token as iterations end, a plain request waits
 for the last one. Whatever way the handler leaves (done, client gone, cancelled), the
-sequence leaves the engine and its KV blocks are released.
+sequence leaves the engine and its KV blocks are released. With LoRA enabled the request's
+`model` (or `/generate`'s `lora_path`) picks the adapter, and a model the replica does not
+serve is a 404 before anything is queued (`lora.py`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ from loadtest.replica.config import ReplicaConfig
 from loadtest.replica.driver import RealtimeDriver, TokenListener
 from loadtest.replica.engine import ContextLengthError, EngineSequence, QueueFullError
 from loadtest.replica.faults import FaultState
+from loadtest.replica.lora import LoraRegistry
 from loadtest.replica.parsing import (
     ApiError,
     GenerationRequest,
+    bad_request,
+    model_not_found,
     parse_chat,
     parse_completion,
     parse_generate,
@@ -51,10 +56,17 @@ def service_unavailable(message: str) -> ApiError:
 
 
 class GenerationRoutes:
-    def __init__(self, config: ReplicaConfig, driver: RealtimeDriver, faults: FaultState) -> None:
+    def __init__(
+        self,
+        config: ReplicaConfig,
+        driver: RealtimeDriver,
+        faults: FaultState,
+        lora: LoraRegistry | None = None,
+    ) -> None:
         self.config = config
         self.driver = driver
         self.faults = faults
+        self.lora = lora  # None: LoRA off, and any model name is served by the base model
         self._served_model = config.model_name
         # Short ids, unique per process: the prefix tells two replicas' ids apart.
         self._id_prefix = os.urandom(4).hex()
@@ -83,13 +95,16 @@ class GenerationRoutes:
                 raise service_unavailable("injected fault: server unavailable")
             await self.faults.hang()
             generation = parse(parse_json_object(body))
+            adapter = self._adapter(generation)
             max_tokens = self._max_tokens(generation)
             listener = TokenListener(
                 every_token=generation.stream or self.faults.faults.cut_after_tokens is not None
             )
             request_id = generation.request_id or f"{self._id_prefix}{next(self._ids):x}"
             try:
-                seq = self.driver.submit(generation.tokens, max_tokens, listener, request_id)
+                seq = self.driver.submit(
+                    generation.tokens, max_tokens, listener, request_id, adapter
+                )
             except QueueFullError as error:
                 raise service_unavailable(str(error)) from None
             except ContextLengthError as error:  # pragma: no cover - checked above
@@ -102,6 +117,21 @@ class GenerationRoutes:
             return await self._openai(request, generation, seq, listener)
         finally:
             self.driver.abort(seq)  # a no-op once the sequence has finished
+
+    def _adapter(self, generation: GenerationRequest) -> str | None:
+        """The LoRA adapter the request names; None for the base model."""
+        lora = self.lora
+        if lora is None:
+            return None
+        name = generation.lora_path
+        if name is not None:
+            if name not in lora:
+                raise bad_request(f"LoRA adapter '{name}' is not loaded", param="lora_path")
+            return name
+        try:
+            return lora.adapter_for(generation.model)
+        except LookupError:
+            raise model_not_found(generation.model or "") from None
 
     def _max_tokens(self, generation: GenerationRequest) -> int:
         """vLLM's rule: an explicit max_tokens must fit; a default shrinks to what is left."""

@@ -9,6 +9,8 @@ from 0. The replica flushes as each engine iteration ends and after a cache flus
 Events are maps with a "type" key (current vLLM and SGLang) or, with encoding "array", lists
 whose first element is the tag (vLLM up to 0.23). Block hashes are the replica's own chained
 64-bit hashes and token ids are `tokens.word_token_id` of the words, as `/tokenize` answers.
+A block a LoRA adapter computed carries its `lora_id` (the adapter's number, see lora.py) and,
+after `medium`, its `lora_name`, as newer vLLM sends them.
 
 Sending never blocks the event loop: a message that would pass the socket's high-water mark
 for some subscriber is dropped and counted, and still takes its sequence number, so the
@@ -21,7 +23,7 @@ runs as long as it publishes nothing.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from loadtest.replica.tokens import token_ids
@@ -64,6 +66,7 @@ class KvEventPublisher:
         encoding: Encoding = "map",
         *,
         hwm: int = DEFAULT_HWM,
+        lora_ids: Callable[[str], int | None] | None = None,
     ) -> None:
         if encoding not in ENCODINGS:
             raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}")
@@ -71,6 +74,8 @@ class KvEventPublisher:
         self.endpoint = endpoint
         self.topic = topic
         self.encoding = encoding
+        # An adapter's name to its number for `lora_id` (the server's registry).
+        self.lora_ids = lora_ids
         self._topic = topic.encode()
         self._packb = msgpack.Packer(use_bin_type=True).pack
         self._again = zmq.Again
@@ -99,26 +104,37 @@ class KvEventPublisher:
     # -- the prefix cache's listener -----------------------------------------------------
 
     def blocks_stored(
-        self, hashes: Sequence[int], parent: int | None, tokens: Sequence[str]
+        self,
+        hashes: Sequence[int],
+        parent: int | None,
+        tokens: Sequence[str],
+        adapter: str | None = None,
     ) -> None:
         ids = token_ids(tokens)
         block_size = len(ids) // len(hashes)
+        lora_id = None
+        if adapter is not None and self.lora_ids is not None:
+            lora_id = self.lora_ids(adapter)
+        # The base model's blocks leave `lora_name` out rather than send it null, so their
+        # events stay those of the vLLM releases before the field, which subscribers that
+        # count fields or compare whole events still expect.
         if self.encoding == "map":
-            self._events.append(
-                {
-                    "type": "BlockStored",
-                    "block_hashes": list(hashes),
-                    "parent_block_hash": parent,
-                    "token_ids": ids,
-                    "block_size": block_size,
-                    "lora_id": None,
-                    "medium": MEDIUM,
-                }
-            )
+            event: Any = {
+                "type": "BlockStored",
+                "block_hashes": list(hashes),
+                "parent_block_hash": parent,
+                "token_ids": ids,
+                "block_size": block_size,
+                "lora_id": lora_id,
+                "medium": MEDIUM,
+            }
+            if adapter is not None:
+                event["lora_name"] = adapter
         else:
-            self._events.append(
-                ["BlockStored", list(hashes), parent, ids, block_size, None, MEDIUM]
-            )
+            event = ["BlockStored", list(hashes), parent, ids, block_size, lora_id, MEDIUM]
+            if adapter is not None:
+                event.append(adapter)
+        self._events.append(event)
 
     def block_removed(self, block_hash: int) -> None:
         if self.encoding == "map":

@@ -6,12 +6,14 @@ which would cost CPU in the hot loop for numbers nobody may read.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from loadtest.replica.driver import RealtimeDriver
+from loadtest.replica.engine import EngineSequence
 
 
 class ReplicaCollector:
@@ -81,6 +83,27 @@ class ReplicaCollector:
             "Largest real-time lateness of an iteration; large values mean the simulator lags.",
             self._driver.max_lag_s,
         )
+        if engine.config.max_loras:
+            yield self._lora_info()
+
+    def _lora_info(self) -> GaugeMetricFamily:
+        """vLLM's info gauge: the adapters of the running and the waiting requests in its
+        labels, the scrape time as its value."""
+        engine = self._driver.engine
+
+        def names(seqs: list[EngineSequence]) -> str:
+            return ",".join(dict.fromkeys(seq.adapter for seq in seqs if seq.adapter is not None))
+
+        family = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+        family.add_metric(
+            [str(engine.config.max_loras), names(engine.waiting()), names(engine.running())],
+            time.time(),
+        )
+        return family
 
 
 def build_registry(driver: RealtimeDriver, model: str) -> CollectorRegistry:

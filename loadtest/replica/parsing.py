@@ -24,7 +24,7 @@ class ApiError(Exception):
         self,
         status: int,
         message: str,
-        code: str,
+        code: str | int,
         type_: str = "invalid_request_error",
         param: str | None = None,
     ) -> None:
@@ -52,6 +52,14 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
     return ApiError(400, message, code, param=param)
 
 
+def model_not_found(model: str) -> ApiError:
+    # vLLM's own body, the status as the code, so clients that tell a missing adapter from
+    # other errors by it work here.
+    return ApiError(
+        404, f"The model `{model}` does not exist.", 404, type_="NotFoundError", param="model"
+    )
+
+
 @dataclass(slots=True)
 class GenerationRequest:
     route: str  # "chat", "completion" or "generate"
@@ -61,6 +69,7 @@ class GenerationRequest:
     include_usage: bool
     model: str | None
     request_id: str | None = None
+    lora_path: str | None = None  # SGLang's /generate: the name of a registered adapter
 
 
 async def read_body(request: web.Request, max_body_bytes: int) -> bytes:
@@ -196,5 +205,12 @@ def parse_generate(data: dict[str, Any]) -> GenerationRequest:
     rid = data.get("rid")
     if rid is not None and not isinstance(rid, str):
         raise bad_request("'rid' must be a string", param="rid")
+    lora_path = data.get("lora_path")
+    if lora_path is not None and not isinstance(lora_path, str):
+        raise bad_request(
+            "'lora_path' must be a string (batches are not supported)", param="lora_path"
+        )
     stream = _optional_bool(data, "stream")
-    return GenerationRequest("generate", tokens, max_tokens, stream, False, _model(data), rid)
+    return GenerationRequest(
+        "generate", tokens, max_tokens, stream, False, _model(data), rid, lora_path
+    )

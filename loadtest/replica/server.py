@@ -4,7 +4,9 @@
 command line runs one on uvloop. Routes: the generation routes in `generation.py`, the
 information and health routes vLLM and SGLang expose, `/metrics`, `/tokenize` (vLLM's), and `/admin/*`
 for fault injection and the simulator's own timing statistics. With a KV events endpoint set,
-the prefix cache's changes go out over ZMQ (`kv_events.py`).
+the prefix cache's changes go out over ZMQ (`kv_events.py`). With LoRA enabled, `/v1/models`
+lists the registered adapters and, with runtime updating allowed, vLLM's and SGLang's routes
+register and unregister them (`lora.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from loadtest.replica.engine import Engine
 from loadtest.replica.faults import Faults, FaultSpecError, FaultState
 from loadtest.replica.generation import GenerationRoutes, error_response
 from loadtest.replica.kv_events import KvEventPublisher
+from loadtest.replica.lora import LoraRegistry
 from loadtest.replica.metrics import build_registry, render
 from loadtest.replica.parsing import ApiError, bad_request, parse_json_object, read_body
 from loadtest.replica.tokens import PromptError, chat_tokens, text_tokens, token_ids
@@ -50,6 +53,7 @@ class ReplicaServer:
         self.driver = RealtimeDriver(self.engine, config.time_scale)
         self.faults = FaultState(config.faults)
         self.model = config.model_name
+        self.lora = LoraRegistry(self.model, config.lora_modules) if config.enable_lora else None
         self.registry = build_registry(self.driver, self.model)
         self.started_at = int(time.time())
         self.port: int | None = None
@@ -62,8 +66,14 @@ class ReplicaServer:
 
     def _build_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes)
-        GenerationRoutes(self.config, self.driver, self.faults).add_to(app)
+        GenerationRoutes(self.config, self.driver, self.faults, self.lora).add_to(app)
         router = app.router
+        # As vLLM, which mounts these only with runtime updating allowed: otherwise they are
+        # unknown routes (404), not refusals.
+        if self.lora is not None and self.config.allow_runtime_lora_updating:
+            for prefix in ("/v1", ""):  # vLLM's, then SGLang's
+                router.add_post(prefix + "/load_lora_adapter", self.load_lora_adapter)
+                router.add_post(prefix + "/unload_lora_adapter", self.unload_lora_adapter)
         router.add_get("/v1/models", self.models)
         router.add_get("/health", self.health)
         router.add_get("/health_generate", self.health)
@@ -124,7 +134,10 @@ class ReplicaServer:
         if config.kv_events_endpoint is None:
             return
         publisher = KvEventPublisher(
-            config.kv_events_endpoint, config.kv_events_topic, config.kv_events_encoding
+            config.kv_events_endpoint,
+            config.kv_events_topic,
+            config.kv_events_encoding,
+            lora_ids=self.lora.lora_id if self.lora is not None else None,
         )
         self.kv_events = publisher
         self.engine.set_cache_listener(publisher)
@@ -154,22 +167,31 @@ class ReplicaServer:
     # -- information ---------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        return _json(
+        cards: list[dict[str, Any]] = [
             {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.model,
-                        "object": "model",
-                        "created": self.started_at,
-                        "owned_by": "kvlb",
-                        "root": self.model,
-                        "parent": None,
-                        "max_model_len": self.engine.max_sequence_tokens,
-                    }
-                ],
+                "id": self.model,
+                "object": "model",
+                "created": self.started_at,
+                "owned_by": "kvlb",
+                "root": self.model,
+                "parent": None,
+                "max_model_len": self.engine.max_sequence_tokens,
             }
-        )
+        ]
+        # vLLM's adapter cards: the path as the root, the base model as the parent.
+        for adapter in self.lora or ():
+            cards.append(
+                {
+                    "id": adapter.name,
+                    "object": "model",
+                    "created": adapter.created,
+                    "owned_by": "kvlb",
+                    "root": adapter.path,
+                    "parent": adapter.base_model_name or self.model,
+                    "max_model_len": None,
+                }
+            )
+        return _json({"object": "list", "data": cards})
 
     async def health(self, request: web.Request) -> web.Response:
         if self.faults.faults.unhealthy or not self.driver.running:
@@ -201,6 +223,7 @@ class ReplicaServer:
             "kv_events_endpoint": self.config.kv_events_endpoint,
             "kv_events_topic": self.config.kv_events_topic,
             "kv_events_encoding": self.config.kv_events_encoding,
+            "max_loras": engine_config.max_loras,
             "timing_ms": {
                 "a": profile.a_ms,
                 "b": profile.b_ms_per_token,
@@ -301,6 +324,9 @@ class ReplicaServer:
             "kv_usage": self.engine.cache.usage,
             "running": self.engine.num_running,
             "waiting": self.engine.num_waiting,
+            "lora_loads": counters.lora_loads,
+            "lora_evictions": counters.lora_evictions,
+            "resident_adapters": self.engine.resident_adapters(),
         }
         body["kv_events"] = self.kv_events.stats() if self.kv_events is not None else None
         return _json(body)
@@ -308,6 +334,44 @@ class ReplicaServer:
     async def reset_stats(self, request: web.Request) -> web.Response:
         self.driver.reset_stats()
         return web.Response(status=200)
+
+    # -- LoRA adapters at run time -------------------------------------------------------
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        assert self.lora is not None
+        try:
+            data = parse_json_object(await read_body(request, self.config.max_body_bytes))
+            name, path = data.get("lora_name"), data.get("lora_path")
+            if not name or not path or not isinstance(name, str) or not isinstance(path, str):
+                raise _invalid_lora("Both 'lora_name' and 'lora_path' must be provided.")
+            try:
+                self.lora.register(name, path)
+            except ValueError as error:
+                raise _invalid_lora(str(error)) from None
+        except ApiError as error:
+            return error_response(error)
+        log.info("LoRA adapter %s registered from %s", name, path)
+        return web.Response(status=200, text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        assert self.lora is not None
+        try:
+            data = parse_json_object(await read_body(request, self.config.max_body_bytes))
+            name = data.get("lora_name")
+            if not name or not isinstance(name, str):
+                raise _invalid_lora("'lora_name' needs to be provided to unload a LoRA adapter.")
+            try:
+                self.lora.unregister(name)
+            except KeyError:
+                message = f"The lora adapter '{name}' cannot be found."
+                raise ApiError(404, message, 404, type_="NotFoundError") from None
+        except ApiError as error:
+            return error_response(error)
+        self.engine.drop_adapter(name)
+        log.info("LoRA adapter %s unregistered", name)
+        return web.Response(
+            status=200, text=f"Success: LoRA adapter '{name}' removed successfully."
+        )
 
 
 def tokenize_words(data: dict[str, Any]) -> list[str]:
@@ -338,6 +402,11 @@ def tokenize_words(data: dict[str, Any]) -> list[str]:
         return chat_tokens(data["messages"])
     except PromptError as error:
         raise bad_request(str(error), param="messages") from None
+
+
+def _invalid_lora(message: str) -> ApiError:
+    # vLLM's messages, type and status code for a bad load or unload request.
+    return ApiError(400, message, 400, type_="InvalidUserInput")
 
 
 def _crash() -> None:

@@ -131,6 +131,17 @@ def block_hashes(
     return hashes
 
 
+def adapter_root(adapter: str | None) -> int:
+    """The parent hash of a sequence's first block: ROOT_HASH for the base model, a hash of
+    the name for a LoRA adapter. vLLM keys block hashes by LoRA, so one prompt under two
+    adapters, or under an adapter and the base model, must share no cached block."""
+    if adapter is None:
+        return ROOT_HASH
+    # The newline keeps the seed apart from every block's own hash: a block's text is its
+    # words joined by spaces and never holds one.
+    return xxhash.xxh3_64_intdigest("lora\n" + adapter)
+
+
 def chain_hash(block: Sequence[str], parent: int) -> int:
     """The hash of one full block of tokens whose parent block hashes to `parent`."""
     # xxhash hashes a str as its UTF-8 bytes, without a copy to bytes first.
