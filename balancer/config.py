@@ -150,6 +150,12 @@ class ReplicaSettings:
     # The engine's KV event publisher (precise mode). Host `*` makes kvlb bind and the engine
     # connect, the engines' own rule the other way round.
     kv_events_endpoint: str | None = _checked(None, _zmq_endpoint)
+    # LoRA adapters it serves besides those its /v1/models lists (a `parent` marks them
+    # there), how many it holds in GPU slots at once (vLLM --max-loras, whose default is 1;
+    # SGLang --max-loras-per-batch) and what loading one into a slot costs.
+    adapters: tuple[str, ...] = ()
+    max_loras: int = _checked(1, _at_least(1))
+    lora_load_ms: float = _checked(100.0, _rule(lambda v: v >= 0, "must be >= 0, got {!r}"))
 
     def __post_init__(self) -> None:
         if self.name is None:

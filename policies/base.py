@@ -14,6 +14,28 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 
+class AdapterSlotsView(Protocol):
+    """A replica's LoRA adapter slots as kvlb accounts for them; implemented by
+    `balancer.routing.adapters.AdapterSlots`."""
+
+    capacity: int  # adapters resident at once
+    load_ms: float  # what loading one into a slot costs
+
+    def holds(self, adapter: str) -> bool: ...
+
+    def victim(self) -> str | None:
+        """What loading another adapter would evict; None while a slot is free."""
+        ...
+
+    def all_busy(self) -> bool:
+        """Every slot's adapter has a request running: another adapter must wait."""
+        ...
+
+    def recent(self, adapter: str) -> float:
+        """The adapter's share of the replica's latest requests, 0 to 1."""
+        ...
+
+
 @runtime_checkable
 class ReplicaView(Protocol):
     """Read-only view of one replica, implemented by `balancer.routing.fleet.Replica`."""
@@ -73,6 +95,12 @@ class ReplicaView(Protocol):
         way from streamed answers' decode."""
         ...
 
+    @property
+    def adapter_slots(self) -> AdapterSlotsView:
+        """Which LoRA adapters it holds in its GPU slots, by kvlb's account of what it
+        routed there, and what loading another costs (balancer/routing/adapters.py)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class RequestFeatures:
@@ -98,6 +126,9 @@ class RequestFeatures:
     # route and prompt length within a factor of two), if enough have ended
     # (balancer/routing/output_length.py). Filled only for policies whose `needs_prompt` is true.
     expected_output_tokens: float | None = None
+    # The LoRA adapter it runs under (its `model` names one that replicas list as an
+    # adapter), or None for a base model. Its prefix blocks are keyed by it.
+    adapter: str | None = None
 
 
 # The term in which a policy that predicts time puts its predicted time to first token (ms,

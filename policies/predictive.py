@@ -141,6 +141,16 @@ class PredictivePolicy(Policy):
         Cap on the expected output read from `max_tokens` (clients often name a bound far
         above what they get).
 
+    LoRA adapters (a request whose `model` is an adapter):
+
+    adapter_weight (>= 0; default 1.0)
+        Weight of what a replica without the adapter in its slots costs: its load time (the
+        replica's `lora_load_ms`, part of this request's predicted time to first token),
+        half an answer's decode there more when every slot's adapter is in use (it waits
+        for one to go idle), and the eviction of the adapter it would push out, priced at a
+        load for that adapter's next request there in proportion to how much of the
+        replica's recent traffic it had (full at a quarter). 0: blind to adapters.
+
     Locality, tiers and ties:
 
     same_region_penalty_ms (ms, >= 0; default 0.0), other_region_penalty_ms (ms, >=
@@ -178,6 +188,7 @@ class PredictivePolicy(Policy):
         overflow_after_ms: float = 1000.0,
         tie_tolerance_ms: float = 3.0,
         tie_tolerance_ratio: float = 0.01,
+        adapter_weight: float = 1.0,
         seed: int | None = None,
         **params: Any,
     ) -> None:
@@ -219,6 +230,7 @@ class PredictivePolicy(Policy):
         self.overflow_after_ms = number_param("overflow_after_ms", overflow_after_ms, "ms")
         self.tie_tolerance_ms = number_param("tie_tolerance_ms", tie_tolerance_ms, "ms")
         self.tie_tolerance_ratio = fraction_param("tie_tolerance_ratio", tie_tolerance_ratio, "fraction of the cost")
+        self.adapter_weight = number_param("adapter_weight", adapter_weight, "weight")
 
     def expected_output(self, request: RequestFeatures) -> float:
         wanted = request.max_tokens
@@ -266,6 +278,8 @@ class PredictivePolicy(Policy):
         tol_rel = self.tie_tolerance_ratio
         rand = self.rng.random
         fitted = self.use_fitted_speed
+        adapter = request.adapter if self.adapter_weight > 0 else None
+        adapter_w = self.adapter_weight
 
         fits = _trusted_fits([r.ttft_scale for r in replicas], [r.ttft_samples for r in replicas])
         scales = self._relative_speeds(fits, self._speed_band) if fitted and min(fits) != max(fits) else None
@@ -305,13 +319,26 @@ class PredictivePolicy(Policy):
             batch = decoding * d1 + r.context_tokens * d2
             own_prefill = uncached * b + k * uncached * (cached + uncached * 0.5)
             model_ttft = (queued * b + own_prefill + (1.5 + (queued + uncached) * inv_chunk) * (a + batch)) * inv_w
+            adapter_ms = evict_ms = 0.0
+            if adapter is not None:
+                slots = r.adapter_slots
+                if not slots.holds(adapter):
+                    adapter_ms = slots.load_ms
+                    # The load stalls the iteration: every sequence decoding there waits it out.
+                    evict_ms = slots.load_ms * decoding
+                    victim = slots.victim()
+                    if victim is not None:
+                        if slots.all_busy():
+                            adapter_ms += 0.5 * n * (own_decode + batch) * inv_w
+                        evict_ms += slots.load_ms * min(1.0, 4.0 * slots.recent(victim))
+                    model_ttft += adapter_w * adapter_ms
             ttft = model_ttft * fits[i]
             decode = (decode_w * n * (batch * decode_speed + own_decode * (decode_speed - 1.0))
                       + stall_w * own_prefill * speed * decoding) * inv_w
             fleet = (own_prefill * speed + fleet_decode_w * n * decoding * per_seq_added * decode_speed) * inv_w * fleet_w
             labels = r.labels
             near = 0.0 if origin is None else locality(labels, origin, same_pen, other_pen)
-            cost = model_ttft * speed + decode + fleet + near
+            cost = model_ttft * speed + decode + fleet + near + adapter_w * evict_ms
             choices.append(
                 Choice(
                     r,
@@ -324,6 +351,8 @@ class PredictivePolicy(Policy):
                         "decode_ms": decode,
                         "fleet_ms": fleet,
                         "locality_ms": near,
+                        "adapter_ms": adapter_ms,
+                        "evict_ms": evict_ms,
                         "busy": busy,
                         "speed": speed,
                         "decode_speed": decode_speed,

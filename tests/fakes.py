@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from balancer.routing.adapters import AdapterSlots
+
 
 @dataclass
 class FakeReplica:
@@ -22,3 +24,4 @@ class FakeReplica:
     # A fake's scales count as fitted and trusted: a test that sets one means a replica long measured.
     ttft_samples: int = 100
     itl_samples: int = 100
+    adapter_slots: AdapterSlots = field(default_factory=lambda: AdapterSlots(1, 100.0))

@@ -147,6 +147,7 @@ class RoutingCore:
             self.tracker.forget(replica.name)
         replica.latency = LatencyFit()
         replica.decode_latency = LatencyFit()
+        replica.adapter_slots.forget()
 
     # -- one request ---------------------------------------------------------------------
 
@@ -193,7 +194,8 @@ class RoutingCore:
         """Predict the prompt's cache hits, then rank `candidates` by the policy."""
         routed = None
         if self.tracker is not None and prompt is not None:
-            routed = self.tracker.predict(prompt, features.model)
+            adapter = self.fleet.adapter_of(features.model)
+            routed = self.tracker.predict(prompt, features.model, adapter)
             features = RequestFeatures(
                 route=route,
                 model=features.model,
@@ -205,6 +207,7 @@ class RoutingCore:
                 origin_region=origin_region or self.settings.region,
                 max_tokens=features.max_tokens,
                 expected_output_tokens=self.output_lengths.expect(features.model, route, routed.prompt_tokens),
+                adapter=adapter,
             )
         ranking = self.policy.rank(features, candidates)
         return Journey(features, ranking, routed, max_attempts=self.settings.max_attempts)
@@ -237,6 +240,8 @@ class RoutingCore:
         journey.first_byte_at = None
         context = journey.context = journey.features.prompt_tokens
         replica.context_tokens += context
+        if journey.features.adapter is not None:
+            replica.adapter_slots.started(journey.features.adapter)
         replica.in_flight += 1
         replica.prefill_tokens_queued += uncached
         # It holds a batch slot from now on: a non-streaming answer's first byte is its last,
@@ -339,6 +344,8 @@ class RoutingCore:
         tracker = self.tracker
         if journey.routed is not None and tracker is not None:
             tracker.finish(journey.routed, replica, answered=answered, prefilled=phase == DECODING)
+        if journey.features.adapter is not None:
+            replica.adapter_slots.ended(journey.features.adapter)
         journey.replica = None
         journey.phase = IDLE
         self.fleet.released(replica)

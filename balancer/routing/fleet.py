@@ -10,6 +10,7 @@ from typing import Any
 
 from balancer.config import ReplicaSettings
 from balancer.errors import ClientError
+from balancer.routing.adapters import AdapterSlots
 from balancer.routing.breaker import Breaker, BreakerSettings
 from balancer.routing.latency import LatencyFit
 
@@ -22,7 +23,7 @@ class Replica:
         "declared_model", "in_flight", "healthy", "discovered_models", "model_cards",
         "prefill_tokens_queued", "decoding", "breaker", "draining", "settings",
         "remote_in_flight", "remote_prefill_tokens_queued", "remote_decoding",
-        "context_tokens", "latency", "decode_latency",
+        "context_tokens", "latency", "decode_latency", "adapter_slots", "discovered_adapters",
     )
 
     def __init__(self, settings: ReplicaSettings, breaker: BreakerSettings | None = None) -> None:
@@ -56,6 +57,10 @@ class Replica:
         # None until the replica has answered /v1/models once.
         self.discovered_models: frozenset[str] | None = None
         self.model_cards: tuple[Mapping[str, Any], ...] = ()
+        # The LoRA adapters among them (cards with a `parent`), and kvlb's model of which
+        # are in its GPU slots (balancer/routing/adapters.py).
+        self.discovered_adapters: frozenset[str] = frozenset()
+        self.adapter_slots = AdapterSlots(settings.max_loras, settings.lora_load_ms)
 
     @property
     def ttft_scale(self) -> float:
@@ -79,9 +84,12 @@ class Replica:
         if self.declared_model is None and self.discovered_models is None:
             # Nothing known yet: do not refuse traffic the replica may well serve.
             return True
-        return model == self.declared_model or (
+        return model == self.declared_model or self.serves_adapter(model) or (
             self.discovered_models is not None and model in self.discovered_models
         )
+
+    def serves_adapter(self, adapter: str) -> bool:
+        return adapter in self.settings.adapters or adapter in self.discovered_adapters
 
     def set_remote_load(self, in_flight: int, prefill_tokens_queued: int, decoding: int) -> None:
         """Other instances' requests on this replica, replacing their previous snapshot."""
@@ -128,6 +136,8 @@ class Fleet:
         self._room_waiters: list[asyncio.Future[None]] = []
         self.by_name: dict[str, Replica] = {r.name: r for r in self.replicas}
         self._known_models: frozenset[str] = frozenset()
+        self._known_adapters: frozenset[str] = frozenset()
+        self.refresh_adapters()
         self._known_models_at = float("-inf")
 
     def candidates(
@@ -210,6 +220,7 @@ class Fleet:
         replica = Replica(settings, self.breaker_settings)
         self.replicas = (*self.replicas, replica)
         self.by_name[replica.name] = replica
+        self.refresh_adapters()
         return replica
 
     def remove(self, name: str) -> Replica:
@@ -217,6 +228,7 @@ class Fleet:
         replica = self.by_name.pop(name)
         self.replicas = tuple(r for r in self.replicas if r is not replica)
         replica.draining = True
+        self.refresh_adapters()
         return replica
 
     def released(self, replica: Replica) -> None:
@@ -258,6 +270,19 @@ class Fleet:
             if model in self._known_models:
                 return model
         return OTHER_MODEL
+
+    def adapter_of(self, model: str | None) -> str | None:
+        """`model` when it names a LoRA adapter some replica serves (listed with a `parent`,
+        or configured), else None: a base model."""
+        return model if model in self._known_adapters else None
+
+    def refresh_adapters(self) -> None:
+        """After the replicas or what they list changed."""
+        known: set[str] = set()
+        for replica in self.replicas:
+            known.update(replica.settings.adapters)
+            known.update(replica.discovered_adapters)
+        self._known_adapters = frozenset(known)
 
     def counts(self) -> FleetCounts:
         return FleetCounts(len(self.replicas), sum(1 for r in self.replicas if r.healthy))

@@ -59,6 +59,12 @@ class ModelWatcher:
         )
         replica.model_cards = cards
         replica.discovered_models = frozenset(card["id"] for card in cards)
+        # vLLM lists each LoRA adapter with the base model it applies to as `parent`.
+        adapters = frozenset(
+            card["id"] for card in cards if isinstance(card.get("parent"), str) and card["parent"])
+        if adapters != replica.discovered_adapters:
+            replica.discovered_adapters = adapters
+            self.fleet.refresh_adapters()
 
     async def refresh_once(self) -> None:
         await asyncio.gather(*(self.refresh_replica(r) for r in self.fleet.replicas))

@@ -79,6 +79,12 @@ interactive-batch  One tenant's interactive traffic (`critical_share` of it clas
                 requests), `requests` Poisson arrivals at `rate` requests/s in all.
     requests=1000  rate=8  critical_share=0.3  batch_share=0.5  interactive_tokens=512
     interactive_output=64  batch_tokens=2048  batch_output=256
+
+lora            Fine-tuned models on one base: each request names a LoRA adapter in `model`
+                (`prefix` + 0..`adapters`-1, drawn by Zipf popularity) and opens with that
+                adapter's own system prompt, then a question of its own; completions.
+    adapters=64  zipf=1.0  prefix=adapter-  system_tokens=2000  question_tokens=64
+    output_tokens=64  requests=2000  rate=20
 """
 
 from __future__ import annotations
@@ -150,9 +156,13 @@ class WorkRequest:
     # Flow control: who it is for and its class, sent as x-kvlb-tenant and x-kvlb-priority.
     tenant: str | None = None
     priority: str | None = None
+    # The LoRA adapter it runs under: its `model`, as vLLM names adapters.
+    adapter: str | None = None
 
     def payload(self, model: str | None = None, stream: bool = True) -> dict:
         """The OpenAI JSON body for this request, built fresh from its recipe."""
+        if self.adapter is not None:
+            model = self.adapter
         body: dict[str, Any] = {} if model is None else {"model": model}
         if self.route == ROUTE_CHAT:
             body["messages"] = [
@@ -399,6 +409,23 @@ def _interactive_batch(path: str | None, o: dict, rng: random.Random) -> tuple[s
     return what, drafts, []
 
 
+def _lora(path: str | None, o: dict, rng: random.Random) -> tuple[str, list, list]:
+    """Fine-tuned models behind one base: each request names one of `adapters` LoRA adapters,
+    drawn by Zipf popularity, and opens with that adapter's own system prompt."""
+    system, question, output = o["system_tokens"], o["question_tokens"], o["output_tokens"]
+    count = o["requests"]
+    weights = [1 / (a + 1) ** o["zipf"] for a in range(o["adapters"])]
+    chosen = rng.choices(range(o["adapters"]), weights=weights, k=count)
+    drafts = []
+    for r, (a, at) in enumerate(zip(chosen, _poisson(rng, count, o["rate"]), strict=True)):
+        parts = (("", ((f"lora{a}", system), (f"lora{a}.{r}", question))),)
+        drafts.append(WorkRequest(0, at, system + question, output, None, ROUTE_COMPLETIONS, parts,
+                                  str(o["seed"]), adapter=f"{o['prefix']}{a}"))
+    what = (f"lora: {o['adapters']} adapters (zipf {o['zipf']:g}), each with a system prompt of "
+            f"{system} + question {question} words, output {output}")
+    return what, drafts, []
+
+
 def _integer(low: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
@@ -478,6 +505,11 @@ _KINDS: dict[str, tuple[_Builder, bool, dict[str, _Option]]] = {
         "steady_tenants": (_COUNT, 2), "steady_rate": (_RATE, 2.0), "noisy_rate": (_RATE, 20.0),
         "burst_start_s": (_number(False), 10.0), "burst_s": (_RATE, 60.0), "duration_s": (_RATE, 90.0),
         "system_tokens": (_COUNT, 256), "question_tokens": (_COUNT, 256), "output_tokens": (_COUNT, 128),
+    }),
+    "lora": (_lora, False, {
+        "adapters": (_COUNT, 64), "zipf": (_number(False), 1.0), "prefix": (str, "adapter-"),
+        "system_tokens": (_COUNT, 2000), "question_tokens": (_COUNT, 64), "output_tokens": (_COUNT, 64),
+        "requests": (_COUNT, 2000), "rate": (_RATE, 20.0),
     }),
     "interactive-batch": (_interactive_batch, False, {
         "requests": (_COUNT, 1000), "rate": (_RATE, 8.0), "critical_share": (_fraction, 0.3),

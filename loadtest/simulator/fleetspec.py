@@ -15,6 +15,8 @@ Either N identical replicas (`--replicas N --profile P`) or a YAML file of group
         max_batched_tokens: 8192
         context_limit: 131072        # longest prompt plus output a replica accepts
         weight: 1.0                  # relative speed, as a kvlb replica's `weight`
+        max_loras: 4                 # LoRA adapter slots (vLLM --max-loras); default 0: no adapters
+        lora_load_ms: 500            # model ms to load an adapter into a slot; default 100
       - count: 80
         region: eu-west
         tier: overflow
@@ -36,7 +38,7 @@ from loadtest.replica.profiles import DEFAULT_PROFILE, PROFILES, Profile
 
 GROUP_KEYS = {
     "count", "profile", "region", "zone", "tier", "kv_capacity_tokens", "max_running",
-    "max_batched_tokens", "context_limit", "weight", "max_concurrency",
+    "max_batched_tokens", "context_limit", "weight", "max_concurrency", "max_loras", "lora_load_ms",
 }  # fmt: skip
 TOP_KEYS = {"region", "round_trip_ms", "groups", "profile"}
 
@@ -57,6 +59,10 @@ class ReplicaPlan:
     weight: float = 1.0
     round_trip_s: float = 0.0  # between the balancer and this replica
     max_concurrency: int | None = None  # the balancer's cap on requests at once (its config's)
+    # LoRA adapter slots (0: it serves no adapter) and what loading one costs, in model ms.
+    # It serves every adapter the workload names, as an engine started with them all.
+    max_loras: int = 0
+    lora_load_ms: float = 100.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,18 +88,26 @@ def _int(value: Any, where: str, low: int = 1) -> int:
     return value
 
 
+def _load_ms(value: Any, where: str) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
+        raise FleetError(f"{where}: must be a number >= 0, got {value!r}")
+    return float(value)
+
+
 def uniform_fleet(
     replicas: int,
     profile: str = DEFAULT_PROFILE,
     kv_capacity_tokens: int | None = None,
     context_limit: int = 131072,
     max_concurrency: int | None = None,
+    max_loras: int = 0,
+    lora_load_ms: float = 100.0,
 ) -> FleetPlan:
     _int(replicas, "--replicas")
     chosen = _profile(profile, "--profile")
     plans = tuple(
         ReplicaPlan(f"replica-{i}", chosen, {}, kv_capacity_tokens, context_limit=context_limit,
-                    max_concurrency=max_concurrency)
+                    max_concurrency=max_concurrency, max_loras=max_loras, lora_load_ms=lora_load_ms)
         for i in range(replicas)
     )
     extra = f", {kv_capacity_tokens:,} KV tokens each" if kv_capacity_tokens else ""
@@ -101,6 +115,8 @@ def uniform_fleet(
         extra += f", at most {max_concurrency} requests each"
     if context_limit != 131072:
         extra += f", context limit {context_limit:,}"
+    if max_loras:
+        extra += f", {max_loras} adapter slots each ({lora_load_ms:g} ms a load)"
     return FleetPlan(plans, None, f"{replicas} x {profile}{extra}")
 
 
@@ -165,6 +181,8 @@ def parse_fleet(data: Any, source: str = "fleet") -> FleetPlan:
                 round_trip_s=rtt_ms / 1000.0,
                 max_concurrency=None if group.get("max_concurrency") is None
                 else _int(group["max_concurrency"], f"{where}.max_concurrency"),
+                max_loras=_int(group.get("max_loras", 0), f"{where}.max_loras", 0),
+                lora_load_ms=_load_ms(group.get("lora_load_ms", 100.0), f"{where}.lora_load_ms"),
             ))
         where_text = "/".join(labels[k] for k in ("region", "tier") if k in labels)
         parts.append(f"{count} x {profile.name}" + (f" ({where_text}, +{rtt_ms:g} ms)" if rtt_ms else f" ({where_text})" if where_text else ""))

@@ -113,8 +113,11 @@ class KvEventRecorder:
         self.token_ids = token_ids
         self.events: list[Event] = []
 
-    def blocks_stored(self, hashes: Sequence[int], parent: int | None, tokens: Sequence[str]) -> None:
-        self.events.append(Stored(list(hashes), parent, self.token_ids.of(tokens), self.block_size, None, MEDIUM))
+    def blocks_stored(self, hashes: Sequence[int], parent: int | None, tokens: Sequence[str],
+                      adapter: str | None = None) -> None:
+        # An adapter's blocks name it, as newer vLLM's do (its engine-local id is of no use here).
+        self.events.append(Stored(list(hashes), parent, self.token_ids.of(tokens), self.block_size, None, MEDIUM,
+                                  adapter))
 
     def block_removed(self, block_hash: int) -> None:
         # Evictions come in runs (one allocation evicts many blocks): one event for the run,
@@ -168,6 +171,7 @@ class SimulationResult:
     events: int
     block_size: int = 16  # the engines' KV block size in tokens
     precise: bool = False  # routed on the engines' KV events
+    adapter_loads: int = 0  # LoRA adapters the engines loaded into a slot
 
 
 class Simulator:
@@ -192,6 +196,8 @@ class Simulator:
             ReplicaSettings(
                 url=f"http://sim.invalid/{plan.name}", name=plan.name, model=MODEL,
                 labels=dict(plan.labels), weight=plan.weight, max_concurrency=plan.max_concurrency,
+                # kvlb configured as its engine was started: the same slots and load time.
+                max_loras=max(plan.max_loras, 1), lora_load_ms=plan.lora_load_ms,
             )
             for plan in fleet.replicas
         ]
@@ -200,10 +206,11 @@ class Simulator:
             Engine(EngineConfig(
                 profile=plan.profile, kv_capacity_tokens=plan.kv_capacity_tokens,
                 max_running=plan.max_running, max_batched_tokens=plan.max_batched_tokens,
-                context_limit=plan.context_limit,
+                context_limit=plan.context_limit, max_loras=plan.max_loras, lora_load_s=plan.lora_load_ms / 1000.0,
             ))
             for plan in fleet.replicas
         ]
+        self._lora_replicas = [r for r, plan in zip(fleet_.replicas, fleet.replicas, strict=True) if plan.max_loras]
         self.block_size = max((engine.block_size for engine in engines), default=16)
         self.tracker: CacheTracker | None = None
         # Precise mode's event intake; None when routing predicts (or needs no prompt).
@@ -256,6 +263,13 @@ class Simulator:
 
     def run(self, requests: Iterable[WorkRequest], progress: Callable[[int], None] | None = None) -> SimulationResult:
         pending = sorted(requests, key=lambda r: (r.arrival_s, r.index))
+        adapters = frozenset(r.adapter for r in pending if r.adapter is not None)
+        if adapters and self._lora_replicas:
+            # Replicas with adapter slots serve every adapter the workload names, and say so
+            # as engines do: in their model listing, with a parent.
+            for replica in self._lora_replicas:
+                replica.discovered_adapters = adapters
+            self.fleet.refresh_adapters()
         events = self._events
         handlers = {
             KV_EVENTS: self._deliver, STEP: self._step, FIRST_TOKEN: self._first_token, FINISH: self._finish,
@@ -290,6 +304,7 @@ class Simulator:
         return SimulationResult(
             records, end - start, list(self.nodes), iterations, self.decode_runs, self.events,
             self.block_size, self.kv_events is not None,
+            sum(node.engine.counters.lora_loads for node in self.nodes.values()),
         )
 
     # -- the balancer side ---------------------------------------------------------------
@@ -441,7 +456,7 @@ class Simulator:
         try:
             seq = engine.submit(
                 parsed.tokens, parsed.max_tokens or flight.request.output_tokens, self.now,
-                request_id=str(flight.request.index),
+                request_id=str(flight.request.index), adapter=flight.request.adapter,
             )
         except ContextLengthError as exc:
             # The replica's own 400, relayed to the client as the proxy relays it.

@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 
 from balancer.config import load_settings
+from balancer.routing.adapters import AdapterSlots
 from policies.base import RequestFeatures
 from policies.predictive import PredictivePolicy
 from policies.registry import POLICIES, make_policy
 from tests.fakes import FakeReplica
 
 TERMS = {"cached", "output_tokens", "model_itl_ms", "decode_speed", "ttft_ms", "model_ttft_ms", "decode_ms", "fleet_ms", "locality_ms", "busy", "speed",
-         "cost", "wait_ms", "tier"}
+         "cost", "wait_ms", "tier", "adapter_ms", "evict_ms"}
 
 
 def request(prompt_tokens: int, cached: Mapping[str, int] | None = None, *, max_tokens: int | None = None,
@@ -203,3 +204,61 @@ def test_one_slow_answer_is_not_a_verdict_but_two_clipped_steps_are() -> None:
     slow = picks(make_policy("predictive", seed=4), healthy + [FakeReplica("x", ttft_scale=2.25, ttft_samples=2)],
                  request(2000))
     assert slow["x"] == 0, slow
+
+
+def _adapter_request(adapter: str | None = "sql") -> RequestFeatures:
+    return RequestFeatures("/v1/completions", prompt_tokens=200, adapter=adapter, max_tokens=64)
+
+
+def test_a_replica_holding_the_adapter_wins_over_one_that_must_load_it():
+    holding, other = FakeReplica("holding"), FakeReplica("other")
+    holding.adapter_slots = AdapterSlots(2, 500.0)
+    other.adapter_slots = AdapterSlots(2, 500.0)
+    holding.adapter_slots.started("sql")
+    holding.adapter_slots.ended("sql")
+    policy = PredictivePolicy(seed=0)
+    ranked = policy.rank(_adapter_request(), [other, holding])
+    assert ranked[0].replica is holding
+    terms = {c.replica.name: c.terms for c in ranked}
+    assert terms["holding"]["adapter_ms"] == 0 and terms["other"]["adapter_ms"] == 500.0
+    # The load is part of the request's own predicted time to first token there.
+    assert terms["other"]["model_ttft_ms"] - terms["holding"]["model_ttft_ms"] == pytest.approx(500.0)
+    # A base-model request, or a policy blind to adapters, sees no difference.
+    for request, blind in ((_adapter_request(None), PredictivePolicy(seed=0)),
+                           (_adapter_request(), PredictivePolicy(seed=0, adapter_weight=0))):
+        terms = {c.replica.name: c.terms for c in blind.rank(request, [other, holding])}
+        assert terms["holding"]["adapter_ms"] == terms["other"]["adapter_ms"] == 0
+
+
+def test_evicting_a_busy_adapter_costs_more_than_filling_a_free_slot_or_evicting_a_cold_one():
+    free, hot, cold = FakeReplica("free"), FakeReplica("hot"), FakeReplica("cold")
+    for replica in (free, hot, cold):
+        replica.adapter_slots = AdapterSlots(2, 500.0)
+
+    def serve(replica: FakeReplica, adapter: str, times: int = 1) -> None:
+        for _ in range(times):
+            replica.adapter_slots.started(adapter)
+            replica.adapter_slots.ended(adapter)
+
+    serve(free, "chat")
+    # Both hot's adapters had all its recent traffic; cold's oldest one, long ago, little.
+    serve(hot, "chat", 10)
+    serve(hot, "code", 2)
+    serve(cold, "old")
+    serve(cold, "code", 40)
+    terms = {c.replica.name: c.terms for c in PredictivePolicy(seed=0).rank(_adapter_request(), [free, hot, cold])}
+    assert terms["free"]["evict_ms"] == 0
+    assert terms["hot"]["evict_ms"] == pytest.approx(500.0)  # "chat", a quarter and more of it
+    assert 0 < terms["cold"]["evict_ms"] < 20.0  # 5 % of a load
+    assert terms["free"]["cost"] < terms["cold"]["cost"] < terms["hot"]["cost"]
+
+
+def test_a_replica_whose_slots_are_all_in_use_makes_the_request_wait_for_one():
+    busy, idle = FakeReplica("busy"), FakeReplica("idle")
+    for replica in (busy, idle):
+        replica.adapter_slots = AdapterSlots(1, 500.0)
+    busy.adapter_slots.started("chat")  # still running
+    idle.adapter_slots.started("chat")
+    idle.adapter_slots.ended("chat")
+    terms = {c.replica.name: c.terms for c in PredictivePolicy(seed=0).rank(_adapter_request(), [busy, idle])}
+    assert terms["busy"]["adapter_ms"] > terms["idle"]["adapter_ms"] == 500.0

@@ -35,7 +35,8 @@ def make_tracker(clock=None, **kv) -> PreciseTracker:
 
 
 def stored(hashes, parent, tokens, block_size=BS, **kw) -> Stored:
-    return Stored(list(hashes), parent, list(tokens), block_size, kw.get("lora_id"), kw.get("medium", "GPU"))
+    return Stored(list(hashes), parent, list(tokens), block_size, kw.get("lora_id"), kw.get("medium", "GPU"),
+                  kw.get("lora_name"))
 
 
 PROMPT = list(range(100, 117))  # 17 tokens: 4 whole blocks and one more token
@@ -146,13 +147,28 @@ def test_events_kvlb_cannot_use_are_counted_not_indexed():
     tracker = make_tracker()
     tracker.events.apply("a", [
         stored([1], None, PROMPT[:8], block_size=8),  # another block size
-        stored([2], None, PROMPT[:4], lora_id=3),  # an adapter's cache
+        stored([2], None, PROMPT[:4], lora_id=3),  # an adapter's cache, named only by its engine's id
         stored([3], None, PROMPT[:4], medium="CPU"),  # an offloaded copy
         stored([4, 5], None, PROMPT[:4]),  # token count does not fit the blocks
         stored([6], 12345, PROMPT[4:8]),  # parent never seen
     ])
     assert cached_on(tracker, PROMPT) == {}
     assert tracker.events.stats.ignored == 5 and tracker.events.stats.unknown_parent == 1
+
+
+def test_an_adapters_blocks_match_only_requests_on_that_adapter():
+    """vLLM keys its blocks by the adapter's name and says it in `lora_name`: the same tokens
+    cached under adapter `sql` are a hit for `sql` only, never for the base model or another."""
+    payload = msgpack.packb([1.0, [["BlockStored", [1, 2], None, PROMPT[:8], BS, 1, "GPU", "sql"]]])
+    _, events, _ = decode_batch(payload)
+    assert events == [stored([1, 2], None, PROMPT[:8], lora_id=1, lora_name="sql")]
+    tracker = make_tracker()
+    tracker.events.apply("a", events)
+    tracker.events.apply("a", [stored([3], 2, PROMPT[8:12], lora_id=1, lora_name="sql")])
+    assert tracker.predict(PROMPT, adapter="sql").cached == {"a": 12}
+    assert tracker.predict(PROMPT).cached == {}
+    assert tracker.predict(PROMPT, adapter="chat").cached == {}
+    assert tracker.events.stats.ignored == 0
 
 
 def test_a_sequence_gap_drops_the_replicas_entries_and_it_rebuilds_from_new_events():

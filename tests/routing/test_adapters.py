@@ -1,0 +1,87 @@
+"""kvlb's account of each replica's LoRA adapter slots, and the routing core keeping it."""
+
+from __future__ import annotations
+
+from balancer.config import ReplicaSettings, RoutingSettings
+from balancer.routing.adapters import AdapterSlots
+from balancer.routing.admission import AdmissionQueue
+from balancer.routing.core import CoreSettings, RoutingCore
+from balancer.routing.fleet import Fleet
+from balancer.routing.tracker import CacheTracker
+from policies.base import RequestFeatures
+from policies.registry import make_policy
+
+ROUTE = "/v1/completions"
+PROMPT = "you are the assistant of one product; answer in its own words " * 40
+
+
+def test_slots_evict_the_least_recently_used_idle_adapter_as_the_engine_does():
+    slots = AdapterSlots(2, 500.0)
+    assert slots.victim() is None
+    slots.started("a")
+    slots.started("b")
+    slots.ended("a")
+    slots.ended("b")
+    slots.started("a")  # a is the most recent now
+    slots.ended("a")
+    assert slots.victim() == "b"
+    slots.started("c")
+    assert slots.resident() == ["a", "c"] and slots.loads == 3
+    # With a request still running on a, the idle one goes even though a is older.
+    slots.started("a")
+    slots.ended("c")
+    assert slots.victim() == "c" and not slots.all_busy()
+    slots.started("d")
+    assert slots.resident() == ["a", "d"] and slots.all_busy()
+    slots.forget()
+    assert slots.resident() == [] and slots.victim() is None
+
+
+def test_recent_traffic_fades_with_the_replicas_later_requests():
+    slots = AdapterSlots(2, 500.0)
+    for _ in range(20):
+        slots.started("hot")
+        slots.ended("hot")
+    hot = slots.recent("hot")
+    assert 0.5 < hot <= 1.0
+    for _ in range(20):
+        slots.started("other")
+        slots.ended("other")
+    assert slots.recent("hot") < hot / 2 and slots.recent("other") > slots.recent("hot")
+
+
+def _core(adapters: tuple[str, ...] = ("sql", "chat")) -> tuple[RoutingCore, Fleet]:
+    fleet = Fleet([ReplicaSettings(url="http://127.0.0.1:9001", name="r", model="base", adapters=adapters,
+                                   max_loras=1, lora_load_ms=300.0)])
+    core = RoutingCore(fleet, make_policy("predictive", {}, 0), CacheTracker(RoutingSettings(), lambda: 0.0),
+                       AdmissionQueue(8, 8), CoreSettings(), call_at=lambda when, callback: None)
+    return core, fleet
+
+
+def test_a_prompt_cached_under_one_adapter_is_not_cached_for_another_or_the_base():
+    core, fleet = _core()
+    replica = fleet.replicas[0]
+    first = core.plan(ROUTE, RequestFeatures(ROUTE, model="sql"), PROMPT, fleet.replicas)
+    assert first.features.adapter == "sql"
+    assert core.next_attempt(first, 0.0) is replica
+    assert replica.adapter_slots.resident() == ["sql"] and replica.adapter_slots.running("sql") == 1
+    core.first_byte(first, 0.1)
+    core.end_attempt(first, answered=True)
+    assert replica.adapter_slots.running("sql") == 0
+
+    again = core.plan(ROUTE, RequestFeatures(ROUTE, model="sql"), PROMPT, fleet.replicas)
+    assert again.ranking[0].terms["cached"] > 0 and again.ranking[0].terms["adapter_ms"] == 0
+    other = core.plan(ROUTE, RequestFeatures(ROUTE, model="chat"), PROMPT, fleet.replicas)
+    assert other.features.adapter == "chat"
+    assert other.ranking[0].terms["cached"] == 0 and other.ranking[0].terms["adapter_ms"] == 300.0
+    base = core.plan(ROUTE, RequestFeatures(ROUTE, model="base"), PROMPT, fleet.replicas)
+    assert base.features.adapter is None and base.ranking[0].terms["cached"] == 0
+
+
+def test_adapters_come_from_config_and_from_what_replicas_list_with_a_parent():
+    core, fleet = _core(adapters=())
+    assert fleet.adapter_of("sql") is None and not fleet.replicas[0].serves("sql")
+    fleet.replicas[0].discovered_adapters = frozenset({"sql"})
+    fleet.refresh_adapters()
+    assert fleet.adapter_of("sql") == "sql" and fleet.replicas[0].serves("sql")
+    assert fleet.adapter_of("base") is None and fleet.adapter_of(None) is None
