@@ -31,8 +31,9 @@ class AdapterSlotsView(Protocol):
         """Every slot's adapter has a request running: another adapter must wait."""
         ...
 
-    def recent(self, adapter: str) -> float:
-        """The adapter's share of the replica's latest requests, 0 to 1."""
+    def eviction_cost(self, adapter: str) -> float:
+        """What evicting `adapter` from this replica costs, in loads (0 to 1): the chance
+        its next request finds no other copy."""
         ...
 
 

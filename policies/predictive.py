@@ -148,8 +148,12 @@ class PredictivePolicy(Policy):
         replica's `lora_load_ms`, part of this request's predicted time to first token),
         half an answer's decode there more when every slot's adapter is in use (it waits
         for one to go idle), and the eviction of the adapter it would push out, priced at a
-        load for that adapter's next request there in proportion to how much of the
-        replica's recent traffic it had (full at a quarter). 0: blind to adapters.
+        load times the chance that adapter's next request finds no other copy (by its share
+        of the fleet's latest adapter requests, sure at 5 %, over the replicas holding it:
+        balancer/routing/adapters.py), the stall the load puts on
+        the replica's decoding sequences (weighed by `prefill_stall_weight`), and the
+        prefill of the prompt where it is not cached (weighed by `fleet_weight`).
+        0: blind to adapters.
 
     Locality, tiers and ties:
 
@@ -324,13 +328,18 @@ class PredictivePolicy(Policy):
                 slots = r.adapter_slots
                 if not slots.holds(adapter):
                     adapter_ms = slots.load_ms
-                    # The load stalls the iteration: every sequence decoding there waits it out.
-                    evict_ms = slots.load_ms * decoding
+                    # The load stalls the iteration: every sequence decoding there waits it
+                    # out, weighed as a prefill's stall is. And an adapter loaded where its
+                    # prompts are not cached costs their prefill too, priced as the fleet's
+                    # work at its full weight, whatever the load: without it, reloads scatter
+                    # an adapter's prompts over every replica it passes through.
+                    evict_ms = (stall_w * slots.load_ms * decoding
+                                + self.fleet_weight * own_prefill * speed * inv_w)
                     victim = slots.victim()
                     if victim is not None:
                         if slots.all_busy():
                             adapter_ms += 0.5 * n * (own_decode + batch) * inv_w
-                        evict_ms += slots.load_ms * min(1.0, 4.0 * slots.recent(victim))
+                        evict_ms += slots.load_ms * slots.eviction_cost(victim)
                     model_ttft += adapter_w * adapter_ms
             ttft = model_ttft * fits[i]
             decode = (decode_w * n * (batch * decode_speed + own_decode * (decode_speed - 1.0))

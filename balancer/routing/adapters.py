@@ -10,30 +10,73 @@ routes there, as it keeps a model of each replica's prefix cache: the adapters o
 latest requests, least recently used first, at most `capacity`, with the requests of each
 still running. The model runs the engine's rule, so it evicts what the engine evicts.
 
-`recent` is an adapter's share of the replica's latest requests (each request there fades
-the older ones by `FADE`): what evicting it costs, since a busy adapter's next request there
-pays a load of its own. Sans I/O and clock; bounded by `capacity`.
+What evicting an adapter costs is the load its next request pays, so it is priced by the
+adapter's demand across the fleet (`AdapterDemand`: its share of the latest adapter
+requests anywhere) and by how many replicas hold it besides: evicting one of three copies
+of a busy adapter costs little, the only copy of one asked for every few seconds a load.
+Sans I/O and clock; bounded by the slots and by `MAX_ADAPTERS`.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-# Per request routed to the replica: the weight of earlier ones in `recent`. About the last
-# 1 / (1 - FADE) requests count.
-FADE = 0.95
+# Per adapter request anywhere in the fleet: the weight of earlier ones in an adapter's
+# demand. About the last 1 / (1 - FADE) requests count.
+FADE = 0.99
+# An adapter with this share of the fleet's adapter requests will almost surely be asked for
+# again while a replica would still hold it: its eviction costs a whole load.
+SURE_SHARE = 0.05
+MAX_ADAPTERS = 65536
+
+
+class AdapterDemand:
+    """The fleet's recent requests per adapter, and the replicas kvlb believes hold each."""
+
+    __slots__ = ("_count", "_seen", "_holders")
+
+    def __init__(self) -> None:
+        self._count = 0  # adapter requests so far: the clock the fading runs on
+        # adapter -> (faded requests as of `_count` then, that count); least recent first.
+        self._seen: OrderedDict[str, tuple[float, int]] = OrderedDict()
+        self._holders: dict[str, int] = {}
+
+    def requested(self, adapter: str) -> None:
+        self._count += 1
+        value, at = self._seen.pop(adapter, (0.0, self._count))
+        self._seen[adapter] = (value * FADE ** (self._count - at) + 1.0, self._count)
+        if len(self._seen) > MAX_ADAPTERS:
+            self._seen.popitem(last=False)
+
+    def share(self, adapter: str) -> float:
+        """The adapter's share of the latest adapter requests, 0 to 1."""
+        value, at = self._seen.get(adapter, (0.0, self._count))
+        return value * FADE ** (self._count - at) * (1.0 - FADE)
+
+    def holders(self, adapter: str) -> int:
+        return self._holders.get(adapter, 0)
+
+    def loaded(self, adapter: str) -> None:
+        self._holders[adapter] = self._holders.get(adapter, 0) + 1
+
+    def evicted(self, adapter: str) -> None:
+        left = self._holders.get(adapter, 0) - 1
+        if left > 0:
+            self._holders[adapter] = left
+        else:
+            self._holders.pop(adapter, None)
 
 
 class AdapterSlots:
-    __slots__ = ("capacity", "load_ms", "_resident", "_running", "loads")
+    __slots__ = ("capacity", "load_ms", "demand", "_resident", "_running", "loads")
 
-    def __init__(self, capacity: int, load_ms: float) -> None:
+    def __init__(self, capacity: int, load_ms: float, demand: AdapterDemand | None = None) -> None:
         if capacity < 1:
             raise ValueError("an adapter replica holds at least one adapter")
         self.capacity = capacity
         self.load_ms = load_ms
-        # adapter -> its faded count of the replica's latest requests; least recent first.
-        self._resident: OrderedDict[str, float] = OrderedDict()
+        self.demand = demand if demand is not None else AdapterDemand()
+        self._resident: OrderedDict[str, None] = OrderedDict()  # least recently used first
         self._running: dict[str, int] = {}
         self.loads = 0  # loads this model predicts the engine made, for the metrics
 
@@ -63,24 +106,28 @@ class AdapterSlots:
         """Every slot holds an adapter that a running request here uses."""
         return len(self._resident) >= self.capacity and all(self._running.get(a) for a in self._resident)
 
-    def recent(self, adapter: str) -> float:
-        """The adapter's faded share of the latest requests here (0 to 1)."""
-        return self._resident.get(adapter, 0.0) * (1.0 - FADE)
+    def eviction_cost(self, adapter: str) -> float:
+        """What evicting `adapter` from here costs, in loads (0 to 1): the chance its next
+        request finds no other copy, by its demand and its other holders."""
+        demand = self.demand
+        sure = min(1.0, demand.share(adapter) / SURE_SHARE)
+        return sure / max(demand.holders(adapter), 1)
 
     def started(self, adapter: str) -> None:
         """A request on `adapter` was sent here."""
         resident = self._resident
-        for name in resident:
-            resident[name] *= FADE
+        demand = self.demand
+        demand.requested(adapter)
         if adapter in resident:
             resident.move_to_end(adapter)
         else:
             victim = self.victim()
             if victim is not None:
                 del resident[victim]
-            resident[adapter] = 0.0
+                demand.evicted(victim)
+            resident[adapter] = None
+            demand.loaded(adapter)
             self.loads += 1
-        resident[adapter] += 1.0
         self._running[adapter] = self._running.get(adapter, 0) + 1
 
     def ended(self, adapter: str) -> None:
@@ -92,4 +139,6 @@ class AdapterSlots:
 
     def forget(self) -> None:
         """The replica restarted or was out long enough to have: it holds none now."""
+        for adapter in self._resident:
+            self.demand.evicted(adapter)
         self._resident.clear()

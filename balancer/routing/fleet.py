@@ -10,7 +10,7 @@ from typing import Any
 
 from balancer.config import ReplicaSettings
 from balancer.errors import ClientError
-from balancer.routing.adapters import AdapterSlots
+from balancer.routing.adapters import AdapterDemand, AdapterSlots
 from balancer.routing.breaker import Breaker, BreakerSettings
 from balancer.routing.latency import LatencyFit
 
@@ -26,7 +26,8 @@ class Replica:
         "context_tokens", "latency", "decode_latency", "adapter_slots", "discovered_adapters",
     )
 
-    def __init__(self, settings: ReplicaSettings, breaker: BreakerSettings | None = None) -> None:
+    def __init__(self, settings: ReplicaSettings, breaker: BreakerSettings | None = None,
+                 demand: AdapterDemand | None = None) -> None:
         self.settings = settings
         self.name: str = settings.name or settings.url
         self.url: str = settings.url
@@ -60,7 +61,7 @@ class Replica:
         # The LoRA adapters among them (cards with a `parent`), and kvlb's model of which
         # are in its GPU slots (balancer/routing/adapters.py).
         self.discovered_adapters: frozenset[str] = frozenset()
-        self.adapter_slots = AdapterSlots(settings.max_loras, settings.lora_load_ms)
+        self.adapter_slots = AdapterSlots(settings.max_loras, settings.lora_load_ms, demand)
 
     @property
     def ttft_scale(self) -> float:
@@ -131,7 +132,9 @@ class FleetCounts:
 class Fleet:
     def __init__(self, replicas: Iterable[ReplicaSettings], breaker: BreakerSettings | None = None) -> None:
         self.breaker_settings = breaker
-        self.replicas: tuple[Replica, ...] = tuple(Replica(s, breaker) for s in replicas)
+        # One account of adapter demand for the whole fleet: what an eviction anywhere costs.
+        self.adapter_demand = AdapterDemand()
+        self.replicas: tuple[Replica, ...] = tuple(Replica(s, breaker, self.adapter_demand) for s in replicas)
         # Requests waiting for a replica under its max_concurrency (see wait_for_room).
         self._room_waiters: list[asyncio.Future[None]] = []
         self.by_name: dict[str, Replica] = {r.name: r for r in self.replicas}
@@ -217,7 +220,7 @@ class Fleet:
         """A new replica, routable at once (requests in flight keep the old tuple)."""
         if settings.name in self.by_name:
             raise ValueError(f"a replica named {settings.name!r} exists already")
-        replica = Replica(settings, self.breaker_settings)
+        replica = Replica(settings, self.breaker_settings, self.adapter_demand)
         self.replicas = (*self.replicas, replica)
         self.by_name[replica.name] = replica
         self.refresh_adapters()

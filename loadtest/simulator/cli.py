@@ -105,8 +105,10 @@ def fleet_from_args(args: argparse.Namespace) -> FleetPlan:
     try:
         if args.fleet:
             return load_fleet(args.fleet)
+        if args.max_loras < 0 or args.lora_load_ms < 0:
+            raise SetupError("--max-loras and --lora-load-ms must not be negative")
         return uniform_fleet(args.replicas, args.profile, args.kv_capacity_tokens, args.context_limit,
-                             args.max_concurrency)
+                             args.max_concurrency, args.max_loras, args.lora_load_ms)
     except FleetError as exc:
         raise SetupError(str(exc)) from None
 
@@ -172,6 +174,7 @@ def run_offline(
             "engine_iterations": result.iterations,
             "decode_runs": result.decode_runs,
         },
+        "adapter_loads": result.adapter_loads,
     }
     if ideal is None:
         ideal = ideal_for(workload, fleet)
@@ -199,6 +202,9 @@ def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
     fleet.add_argument("--context-limit", type=int, default=131072, help="longest prompt + output a replica takes")
     fleet.add_argument("--max-concurrency", type=int, default=None,
                        help="the balancer's cap on requests at once per replica (its max_concurrency)")
+    fleet.add_argument("--max-loras", type=int, default=0,
+                       help="LoRA adapter slots per replica (0: no adapters; every adapter the workload names is served)")
+    fleet.add_argument("--lora-load-ms", type=float, default=100.0, help="model ms to load an adapter into a slot")
 
 
 def register(subparsers: Any) -> None:

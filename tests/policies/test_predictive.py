@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from balancer.config import load_settings
-from balancer.routing.adapters import AdapterSlots
+from balancer.routing.adapters import AdapterDemand, AdapterSlots
 from policies.base import RequestFeatures
 from policies.predictive import PredictivePolicy
 from policies.registry import POLICIES, make_policy
@@ -230,26 +230,30 @@ def test_a_replica_holding_the_adapter_wins_over_one_that_must_load_it():
         assert terms["holding"]["adapter_ms"] == terms["other"]["adapter_ms"] == 0
 
 
-def test_evicting_a_busy_adapter_costs_more_than_filling_a_free_slot_or_evicting_a_cold_one():
+def test_evicting_a_sought_after_adapter_costs_more_than_filling_a_free_slot_or_evicting_a_cold_one():
+    demand = AdapterDemand()
     free, hot, cold = FakeReplica("free"), FakeReplica("hot"), FakeReplica("cold")
     for replica in (free, hot, cold):
-        replica.adapter_slots = AdapterSlots(2, 500.0)
+        replica.adapter_slots = AdapterSlots(2, 500.0, demand)
 
     def serve(replica: FakeReplica, adapter: str, times: int = 1) -> None:
         for _ in range(times):
             replica.adapter_slots.started(adapter)
             replica.adapter_slots.ended(adapter)
 
-    serve(free, "chat")
-    # Both hot's adapters had all its recent traffic; cold's oldest one, long ago, little.
-    serve(hot, "chat", 10)
-    serve(hot, "code", 2)
+    serve(free, "code")
+    # cold's least recently used adapter was asked for once, long ago; hot's is asked for
+    # often, and nowhere else.
     serve(cold, "old")
-    serve(cold, "code", 40)
+    serve(cold, "code", 300)
+    serve(hot, "chat", 30)
+    serve(hot, "code", 5)
     terms = {c.replica.name: c.terms for c in PredictivePolicy(seed=0).rank(_adapter_request(), [free, hot, cold])}
-    assert terms["free"]["evict_ms"] == 0
-    assert terms["hot"]["evict_ms"] == pytest.approx(500.0)  # "chat", a quarter and more of it
-    assert 0 < terms["cold"]["evict_ms"] < 20.0  # 5 % of a load
+    # Each pays the prompt's prefill where nothing is cached (the same on all three); the
+    # evictions differ.
+    prefill = terms["free"]["evict_ms"]
+    assert terms["hot"]["evict_ms"] - prefill == pytest.approx(500.0 * hot.adapter_slots.eviction_cost("chat"))
+    assert terms["hot"]["evict_ms"] - prefill > 250.0 and terms["cold"]["evict_ms"] - prefill < 25.0
     assert terms["free"]["cost"] < terms["cold"]["cost"] < terms["hot"]["cost"]
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from balancer.config import ReplicaSettings, RoutingSettings
-from balancer.routing.adapters import AdapterSlots
+from balancer.routing.adapters import AdapterDemand, AdapterSlots
 from balancer.routing.admission import AdmissionQueue
 from balancer.routing.core import CoreSettings, RoutingCore
 from balancer.routing.fleet import Fleet
@@ -37,17 +37,23 @@ def test_slots_evict_the_least_recently_used_idle_adapter_as_the_engine_does():
     assert slots.resident() == [] and slots.victim() is None
 
 
-def test_recent_traffic_fades_with_the_replicas_later_requests():
-    slots = AdapterSlots(2, 500.0)
+def test_evicting_costs_a_load_for_a_sought_after_adapter_with_no_other_copy():
+    demand = AdapterDemand()
+    here, there = AdapterSlots(2, 500.0, demand), AdapterSlots(2, 500.0, demand)
     for _ in range(20):
-        slots.started("hot")
-        slots.ended("hot")
-    hot = slots.recent("hot")
-    assert 0.5 < hot <= 1.0
-    for _ in range(20):
-        slots.started("other")
-        slots.ended("other")
-    assert slots.recent("hot") < hot / 2 and slots.recent("other") > slots.recent("hot")
+        here.started("hot")
+        here.ended("hot")
+    assert here.eviction_cost("hot") == 1.0
+    # A second copy elsewhere halves what losing this one costs.
+    there.started("hot")
+    there.ended("hot")
+    assert here.eviction_cost("hot") == 0.5
+    # Demand fades with the fleet's later requests for other adapters.
+    for i in range(400):
+        there.started(f"other-{i % 2}")
+        there.ended(f"other-{i % 2}")
+    assert demand.holders("hot") == 1  # the other copy was evicted there
+    assert here.eviction_cost("hot") < 0.5
 
 
 def _core(adapters: tuple[str, ...] = ("sql", "chat")) -> tuple[RoutingCore, Fleet]:
