@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections import Counter
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
