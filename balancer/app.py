@@ -20,6 +20,7 @@ from balancer.routing.fleet import Replica
 from balancer.routing.precise import PreciseTracker, PromptTokens, load_prompt_tokens
 from balancer.routing.tokenizer import TokenizerError
 from balancer.routing.tracker import CacheTracker
+from balancer.serving.adapter_loader import AdapterLoader
 from balancer.serving.admission import Admission
 from balancer.serving.auth import authenticator, replica_key
 from balancer.serving.journey import Forwarder
@@ -91,10 +92,15 @@ class Balancer:
         )
         self.config_path: str | None = None  # the file `kvlb serve --config` read, for reloads
         ids = RequestIds()
+        self.adapters = (AdapterLoader(settings.adapters, self.core, lambda: self.session,
+                                       self.proxy.replica_authorization)
+                         if settings.adapters.load_on_demand else None)
         self.forwarder = Forwarder(
             settings, self.core, self.admission, self.proxy, self.metrics, ids, self.prompt_tokens,
-            lambda: self.session, self.auth.tenant_of,
+            lambda: self.session, self.auth.tenant_of, self.adapters,
         )
+        if self.adapters is not None:
+            self.metrics.registry.register(self.adapters)
         if self.forwarder.flow is not None:
             self.metrics.registry.register(self.forwarder.flow.metrics)
         self.routes = Routes(

@@ -415,6 +415,26 @@ class FlowClassSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadableAdapter:
+    """A LoRA adapter kvlb may ask a replica to load when no replica serves it yet."""
+
+    name: str = _checked(check=_non_empty)  # as requests name it in `model`
+    path: str = _checked(check=_non_empty)  # where the engine finds it (its lora_path)
+    base: str = _checked(check=_non_empty)  # the base model it applies to: replicas serving it may load it
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSettings:
+    """LoRA adapters loaded on demand (docs/adapters.md). vLLM needs
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True for its load endpoint; SGLang takes
+    `load_path: /load_lora_adapter`."""
+
+    load_on_demand: tuple[LoadableAdapter, ...] = _checked((), check=_uniquely_named)
+    load_path: str = _checked("/v1/load_lora_adapter", _url_path)
+    load_timeout_s: float = _checked(30.0, _positive)
+
+
+@dataclass(frozen=True, slots=True)
 class FlowControlSettings:
     """Who waits, in which order, and who is refused once the fleet is saturated
     (balancer/routing/flow.py). Off: one first-come-first-served line (`limits`)."""
@@ -470,6 +490,7 @@ class Settings:
     sync: SyncSettings = _section(SyncSettings)
     kv_events: KvEventsSettings = _section(KvEventsSettings)
     flow_control: FlowControlSettings = _section(FlowControlSettings, _flow_classes_known)
+    adapters: AdapterSettings = _section(AdapterSettings)
 
 
 # --- validation engine ------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from balancer.routing.flow import Ticket
 from balancer.routing.precise import PromptTokens, RemotePrompt
 from balancer.routing.request import parse_request
 from balancer.serving.access_log import access_log, log_access
+from balancer.serving.adapter_loader import AdapterLoader
 from balancer.serving.admission import Admission
 from balancer.serving.flow import FlowGate
 from balancer.serving.metrics import NO_REPLICA, Metrics
@@ -50,10 +51,12 @@ class Forwarder:
         prompt_tokens: PromptTokens | None,
         session: Callable[[], aiohttp.ClientSession | None],
         tenant_of: Callable[[str | None], str | None] = lambda identity: None,
+        adapters: AdapterLoader | None = None,
     ) -> None:
         self.core = core
         self.flow = FlowGate(core.flow) if core.flow is not None else None
         self.tenant_of = tenant_of  # an API key's identity → its tenant
+        self.adapters = adapters  # LoRA adapters loaded on demand
         self.fleet = core.fleet
         self.admission = admission
         self.proxy = proxy
@@ -215,9 +218,10 @@ class Forwarder:
                        features: RequestFeatures, parse_s: float, ticket: Ticket | None) -> None:
         clock = time.perf_counter
         allowed = request.header(self._allowed_header)
-        candidates = await self._candidates(
-            request, route, features, allowed_regions(allowed) if allowed is not None else None, ticket
-        )
+        regions = allowed_regions(allowed) if allowed is not None else None
+        if self.adapters is not None and features.model in self.adapters:
+            await self.adapters.ensure(route, features, features.prompt, regions)
+        candidates = await self._candidates(request, route, features, regions, ticket)
         prompt = features.prompt
         if isinstance(prompt, RemotePrompt):
             session = self._session()

@@ -3,6 +3,7 @@ the replicas list, a prompt's cache keyed by its adapter, and an adapter nobody 
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import AsyncExitStack, ExitStack
 
 import aiohttp
@@ -63,3 +64,51 @@ async def test_adapters_are_listed_once_and_their_caches_never_mix() -> None:
                 status, _, body = await complete(http, running.url, "nobody-serves-this")
                 assert status == 404 and body["error"]["code"] == "model_not_found"
                 assert "nobody-serves-this" in body["error"]["message"]
+
+
+async def test_an_adapter_nobody_serves_is_loaded_on_demand_once() -> None:
+    args = ["--model", BASE, "--enable-lora", "--allow-runtime-lora-updating", "--max-loras", "2",
+            "--time-scale", "20"]
+    loadable = [{"name": "sql", "path": "/adapters/sql", "base": BASE},
+                {"name": "chat", "path": "/adapters/chat", "base": BASE}]
+    with ExitStack() as processes:
+        replica = processes.enter_context(ReplicaProcess(args))
+        async with AsyncExitStack() as stack:
+            settings = make_settings([{"url": replica.url, "name": "r0", "max_loras": 2}],
+                                     adapters={"load_on_demand": loadable})
+            running = await stack.enter_async_context(run_balancer(settings))
+            async with aiohttp.ClientSession() as http:
+                status, headers, body = await complete(http, running.url, "sql")
+                assert status == 200 and headers["x-kvlb-replica"] == "r0", body
+                async with http.get(replica.url + "/v1/models") as resp:
+                    listed = {card["id"]: card.get("parent") for card in (await resp.json())["data"]}
+                assert listed["sql"] == BASE
+                # Five at once for another adapter: one load, all five served.
+                results = await asyncio.gather(*(complete(http, running.url, "chat") for _ in range(5)))
+                assert [r[0] for r in results] == [200] * 5
+                assert (await complete(http, running.url, "sql"))[0] == 200
+                async with http.get(running.url + "/metrics") as resp:
+                    metrics = await resp.text()
+                for adapter in ("sql", "chat"):
+                    assert f'kvlb_adapter_loads_total{{adapter="{adapter}",outcome="loaded"}} 1.0' in metrics
+                # Neither loadable nor served: the usual 404.
+                status, _, body = await complete(http, running.url, "unknown-adapter")
+                assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+async def test_a_load_the_replica_refuses_is_a_clear_503() -> None:
+    # Without runtime updating, the replica has no load endpoint (vLLM's rule).
+    args = ["--model", BASE, "--enable-lora", "--max-loras", "1", "--time-scale", "20"]
+    with ExitStack() as processes:
+        replica = processes.enter_context(ReplicaProcess(args))
+        async with AsyncExitStack() as stack:
+            settings = make_settings([{"url": replica.url, "name": "r0"}],
+                                     adapters={"load_on_demand": [{"name": "sql", "path": "/a/sql", "base": BASE}]})
+            running = await stack.enter_async_context(run_balancer(settings))
+            async with aiohttp.ClientSession() as http:
+                status, headers, body = await complete(http, running.url, "sql")
+                assert status == 503 and body["error"]["code"] == "adapter_load_failed", body
+                assert "r0" in body["error"]["message"] and "HTTP 404" in body["error"]["message"]
+                assert int(headers["Retry-After"]) >= 1
+                # The base model is still served meanwhile.
+                assert (await complete(http, running.url, BASE))[0] == 200
