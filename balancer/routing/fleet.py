@@ -85,9 +85,13 @@ class Replica:
         if self.declared_model is None and self.discovered_models is None:
             # Nothing known yet: do not refuse traffic the replica may well serve.
             return True
-        return model == self.declared_model or self.serves_adapter(model) or (
+        if model == self.declared_model or self.serves_adapter(model) or (
             self.discovered_models is not None and model in self.discovered_models
-        )
+        ):
+            return True
+        # SGLang's OpenAI routes name an adapter as BASE:ADAPTER.
+        base, colon, adapter = model.partition(":")
+        return bool(colon) and self.serves_adapter(adapter) and self.serves(base)
 
     def serves_adapter(self, adapter: str) -> bool:
         return adapter in self.settings.adapters or adapter in self.discovered_adapters
@@ -275,9 +279,19 @@ class Fleet:
         return OTHER_MODEL
 
     def adapter_of(self, model: str | None) -> str | None:
-        """`model` when it names a LoRA adapter some replica serves (listed with a `parent`,
-        or configured), else None: a base model."""
-        return model if model in self._known_adapters else None
+        """The LoRA adapter `model` names, when some replica serves it (listed with a
+        `parent`, or configured): `model` itself, as vLLM names adapters, or the part after
+        the colon of SGLang's BASE:ADAPTER. None: a base model."""
+        if model is None:
+            return None
+        known = self._known_adapters
+        if model in known:
+            return model
+        if ":" in model:
+            adapter = model.partition(":")[2]
+            if adapter in known:
+                return adapter
+        return None
 
     def refresh_adapters(self) -> None:
         """After the replicas or what they list changed."""

@@ -91,3 +91,17 @@ def test_adapters_come_from_config_and_from_what_replicas_list_with_a_parent():
     fleet.refresh_adapters()
     assert fleet.adapter_of("sql") == "sql" and fleet.replicas[0].serves("sql")
     assert fleet.adapter_of("base") is None and fleet.adapter_of(None) is None
+
+
+def test_sglangs_base_colon_adapter_names_the_same_adapter():
+    core, fleet = _core()
+    replica = fleet.replicas[0]
+    assert replica.serves("base:sql") and fleet.adapter_of("base:sql") == "sql"
+    assert not replica.serves("base:unknown") and not replica.serves("other:sql")
+    assert fleet.adapter_of("base:unknown") is None
+    first = core.plan(ROUTE, RequestFeatures(ROUTE, model="base:sql"), PROMPT, fleet.replicas)
+    assert core.next_attempt(first, 0.0) is replica
+    core.end_attempt(first, answered=True)
+    # Cached and held under the adapter's name, whichever way the request spelled it.
+    again = core.plan(ROUTE, RequestFeatures(ROUTE, model="sql"), PROMPT, fleet.replicas)
+    assert again.ranking[0].terms["cached"] > 0 and again.ranking[0].terms["adapter_ms"] == 0
