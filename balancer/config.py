@@ -415,6 +415,27 @@ class FlowClassSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelSettings:
+    """One model's own routing, where its fleet differs from the rest (a 70B beside an 8B)."""
+
+    model: str = _checked(check=_non_empty)  # as requests name it in `model`
+    policy: PolicySettings | None = _checked(None, _known_policy)  # default: the top-level policy
+    max_in_flight: int | None = _checked(None, _at_least(1))  # its requests at once; beyond, 429
+
+
+def _one_entry_per_model(items: tuple[ModelSettings, ...]) -> tuple[ModelSettings, ...]:
+    seen: dict[str, int] = {}
+    problems = []
+    for i, item in enumerate(items):
+        if item.model in seen:
+            problems.append(f"[{i}].model: {item.model!r} is already configured (as [{seen[item.model]}])")
+        seen.setdefault(item.model, i)
+    if problems:
+        raise ConfigError(problems)
+    return items
+
+
+@dataclass(frozen=True, slots=True)
 class LoadableAdapter:
     """A LoRA adapter kvlb may ask a replica to load when no replica serves it yet."""
 
@@ -491,6 +512,7 @@ class Settings:
     kv_events: KvEventsSettings = _section(KvEventsSettings)
     flow_control: FlowControlSettings = _section(FlowControlSettings, _flow_classes_known)
     adapters: AdapterSettings = _section(AdapterSettings)
+    per_model: tuple[ModelSettings, ...] = _checked((), check=_one_entry_per_model)
 
 
 # --- validation engine ------------------------------------------------------------------------

@@ -50,17 +50,22 @@ def build_core(
     core's timers. Both default to the event loop's monotonic time, as in `kvlb serve`."""
     fleet = Fleet(settings.replicas, breaker_settings(settings.health))
     policy = policy or make_policy(settings.policy.name, settings.policy.params, settings.policy.seed)
+    model_policies = {m.model: make_policy(m.policy.name, m.policy.params, m.policy.seed)
+                      for m in settings.per_model if m.policy is not None}
+    model_limits = {m.model: m.max_in_flight for m in settings.per_model if m.max_in_flight is not None}
     # Prefix hashing and the index cost CPU on every request: only for policies that use them.
+    needs_prompt = policy.needs_prompt or any(p.needs_prompt for p in model_policies.values())
     tracker: CacheTracker | None = None
-    if policy.needs_prompt and settings.kv_events.enabled:
+    if needs_prompt and settings.kv_events.enabled:
         tracker = PreciseTracker(settings.routing, settings.kv_events, clock)
-    elif policy.needs_prompt:
+    elif needs_prompt:
         tracker = CacheTracker(settings.routing, clock)
     limits = settings.limits
     queue: AdmissionQueue[Any] = AdmissionQueue(limits.max_in_flight, limits.max_queued)
     routing = settings.routing
     core_settings = CoreSettings(settings.retries.max_attempts, routing.region, routing.forget_unhealthy_after_s)
-    return RoutingCore(fleet, policy, tracker, queue, core_settings, call_at, flow_controller(settings, fleet))
+    return RoutingCore(fleet, policy, tracker, queue, core_settings, call_at, flow_controller(settings, fleet),
+                       model_policies, model_limits)
 
 
 def flow_controller(settings: Settings, fleet: Fleet) -> FlowController | None:

@@ -36,10 +36,11 @@ or ejected) for `routing.forget_unhealthy_after_s`, by when it has likely restar
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from balancer.errors import ClientError
 from balancer.routing.admission import AdmissionQueue
 from balancer.routing.breaker import CLOSED
 from balancer.routing.fleet import Fleet, Replica
@@ -106,11 +107,19 @@ class RoutingCore:
         settings: CoreSettings,
         call_at: CallAt,
         flow: FlowController | None = None,
+        model_policies: Mapping[str, Policy] | None = None,
+        model_limits: Mapping[str, int] | None = None,
     ) -> None:
         self.fleet = fleet
         # With flow control, it takes the admission line's place (routing/flow.py).
         self.flow = flow
         self.policy = policy
+        # Models with a policy of their own (`per_model`); every other model gets `policy`.
+        self.model_policies = dict(model_policies or {})
+        self._models_need_prompt = any(p.needs_prompt for p in self.model_policies.values())
+        # Models with a bound of their own on requests at once, and their requests now.
+        self.model_limits = dict(model_limits or {})
+        self._model_in_flight: dict[str, int] = {}
         self.tracker = tracker
         self.admission = admission
         self.settings = settings
@@ -118,6 +127,37 @@ class RoutingCore:
         self.output_lengths = OutputLengths()
         for replica in fleet.replicas:
             self.joined(replica)
+
+    def policy_for(self, model: str | None) -> Policy:
+        if self.model_policies and model in self.model_policies:
+            return self.model_policies[model]
+        return self.policy
+
+    @property
+    def needs_prompt(self) -> bool:
+        """Whether requests must be parsed for their prompt: some model's policy reads it."""
+        return self.policy.needs_prompt or self._models_need_prompt
+
+    def enter_model(self, model: str | None) -> bool:
+        """A request for `model` begins; raises 429 when its model is at its own bound.
+        True when it counts against one (the driver then calls `leave_model`)."""
+        limit = self.model_limits.get(model) if model is not None and self.model_limits else None
+        if limit is None:
+            return False
+        assert model is not None
+        running = self._model_in_flight.get(model, 0)
+        if running >= limit:
+            raise ClientError(429, f"model {model!r} has its limit of {limit} requests at once in flight; retry shortly",
+                              "model_at_capacity", type_="rate_limit_error", retry_after=1)
+        self._model_in_flight[model] = running + 1
+        return True
+
+    def leave_model(self, model: str) -> None:
+        left = self._model_in_flight.get(model, 0) - 1
+        if left > 0:
+            self._model_in_flight[model] = left
+        else:
+            self._model_in_flight.pop(model, None)
 
     # -- the fleet changes ---------------------------------------------------------------
 
@@ -174,7 +214,8 @@ class RoutingCore:
         """The policy's predicted time to first token on the replica it would choose now,
         room or not: for flow control, what a request that must wait adds to its wait. None
         when the policy predicts no times or nothing could serve the request."""
-        if not self.policy.predicts_time:
+        policy = self.policy_for(features.model)
+        if not policy.predicts_time:
             return None
         replicas = self.fleet.routable(features.model, allowed_regions, now)
         if not replicas:
@@ -209,7 +250,7 @@ class RoutingCore:
                 expected_output_tokens=self.output_lengths.expect(features.model, route, routed.prompt_tokens),
                 adapter=adapter,
             )
-        ranking = self.policy.rank(features, candidates)
+        ranking = self.policy_for(features.model).rank(features, candidates)
         return Journey(features, ranking, routed, max_attempts=self.settings.max_attempts)
 
     def next_attempt(self, journey: Journey, now: float) -> Replica | None:

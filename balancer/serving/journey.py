@@ -81,17 +81,20 @@ class Forwarder:
         request_id = self.ids.of(request, self.id_header)
         outcome = Outcome()
         admitted = False
+        counted_model: str | None = None  # its model has a bound of its own, and it counts
         ticket: Ticket | None = None
         try:
             async with asyncio.timeout(self.settings.timeouts.total_s):
                 parse_began = time.perf_counter()
                 prompt_tokens = self.prompt_tokens
                 features = parse_request(
-                    route, request.body, request.header(SESSION_HEADER), with_prompt=self.core.policy.needs_prompt,
+                    route, request.body, request.header(SESSION_HEADER), with_prompt=self.core.needs_prompt,
                     prompt_of=prompt_tokens.prompt_of if prompt_tokens is not None else None,
                 )
                 parse_s = time.perf_counter() - parse_began
                 outcome.model = features.model or ""
+                if self.core.model_limits and self.core.enter_model(features.model):
+                    counted_model = features.model
                 if self.flow is not None:
                     ticket = self._ticket(request, features, started)
                     if ticket.ttft_slo_s is not None and self.flow.flow.would_wait():
@@ -126,6 +129,8 @@ class Forwarder:
         finally:
             if admitted:
                 self.admission.release()
+            if counted_model is not None:
+                self.core.leave_model(counted_model)
             ended = loop.time()
             elapsed = ended - started
             ttft = None if outcome.first_byte_at is None else outcome.first_byte_at - started

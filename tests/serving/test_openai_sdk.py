@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import AsyncExitStack
 
 import aiohttp
@@ -137,3 +138,46 @@ async def test_embeddings_and_sglang_generate() -> None:
                 body = await resp.json()
                 assert body["meta_info"]["completion_tokens"] == 3
                 assert resp.headers["x-kvlb-replica"] == "a"
+
+
+async def test_each_model_routes_by_its_own_policy_and_limit() -> None:
+    """A big model's fleet round-robins and takes one request at a time; a small model's
+    keeps a session on one replica; one model at its bound refuses, the other still serves."""
+    async with AsyncExitStack() as stack:
+        big = [await stack.enter_async_context(serve_app(make_stub_app(f"big{i}", "big", token_delay_s=0.05)))
+               for i in range(2)]
+        small = [await stack.enter_async_context(serve_app(make_stub_app(f"small{i}", "small"))) for i in range(2)]
+        settings = make_settings(
+            [{"url": u, "name": f"big{i}"} for i, u in enumerate(big)]
+            + [{"url": u, "name": f"small{i}"} for i, u in enumerate(small)],
+            policy={"name": "random"},
+            per_model=[{"model": "big", "policy": {"name": "round_robin"}, "max_in_flight": 1},
+                       {"model": "small", "policy": {"name": "consistent_hash"}}],
+        )
+        running = await stack.enter_async_context(run_balancer(settings))
+        async with aiohttp.ClientSession() as http:
+            async def send(model: str, session: str = "s", max_tokens: int = 2) -> tuple[int, str, dict]:
+                body = {"model": model, "prompt": "p", "max_tokens": max_tokens}
+                async with http.post(running.url + "/v1/completions", json=body,
+                                     headers={"x-session-id": session}) as resp:
+                    return resp.status, resp.headers.get("x-kvlb-replica", ""), await resp.json()
+
+            served = [(await send("big"))[1] for _ in range(6)]
+            assert served in (["big0", "big1"] * 3, ["big1", "big0"] * 3), served
+            for session in ("alice", "bob", "carol"):
+                assert len({(await send("small", session))[1] for _ in range(4)}) == 1
+            async def stream_slowly() -> int:
+                body = {"model": "big", "prompt": "p", "max_tokens": 20, "stream": True}
+                async with http.post(running.url + "/v1/completions", json=body) as resp:
+                    await resp.read()
+                    return resp.status
+
+            # One big request streams its 20 tokens slowly: the next big one is refused, a
+            # small one is not.
+            slow = asyncio.create_task(stream_slowly())
+            await asyncio.sleep(0.3)
+            status, _, body = await send("big")
+            assert status == 429 and body["error"]["code"] == "model_at_capacity", body
+            assert (await send("small"))[0] == 200
+            assert await slow == 200
+            assert (await send("big"))[0] == 200
