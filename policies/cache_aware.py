@@ -98,6 +98,12 @@ class CacheAwarePolicy(Policy):
         model's ±15–25 % error.
     tie_tolerance_ratio (fraction of the cost, 0..1; default 0.05)
         Relative width of the random tie-break, added to the absolute one.
+    adapter_weight (>= 0; default 1.0)
+        For a request on a LoRA adapter, weight of what a replica without it in its slots
+        costs, in the prefill tokens of that time (at `prefill_tokens_per_ms`): the
+        replica's `lora_load_ms`, and a load more times the chance that the adapter it
+        would evict is asked for again with no other copy (balancer/routing/adapters.py).
+        0: blind to adapters.
     """
 
     name = "cache_aware"
@@ -115,6 +121,7 @@ class CacheAwarePolicy(Policy):
         prefill_tokens_per_ms: float = 43.0,
         tie_tolerance_tokens: float = 128.0,
         tie_tolerance_ratio: float = 0.05,
+        adapter_weight: float = 1.0,
         seed: int | None = None,
         **params: Any,
     ) -> None:
@@ -140,6 +147,7 @@ class CacheAwarePolicy(Policy):
         )
         self.tie_tolerance_tokens = number_param("tie_tolerance_tokens", tie_tolerance_tokens, "tokens")
         self.tie_tolerance_ratio = fraction_param("tie_tolerance_ratio", tie_tolerance_ratio, "fraction of the cost")
+        self.adapter_weight = number_param("adapter_weight", adapter_weight, "weight")
 
     def rank(self, request: RequestFeatures, replicas: Sequence[ReplicaView]) -> list[Choice]:
         prompt = request.prompt_tokens
@@ -156,6 +164,9 @@ class CacheAwarePolicy(Policy):
         tol_abs = self.tie_tolerance_tokens
         tol_rel = self.tie_tolerance_ratio
         rand = self.rng.random
+        adapter = request.adapter if self.adapter_weight > 0 else None
+        # Adapter loads in prefill tokens of the same time.
+        adapter_tokens_per_ms = self.adapter_weight * self.prefill_tokens_per_ms
 
         # One pass: cost, wait and jittered sort key of each replica. Overflow replicas are
         # only noted here; whether to hold them back is known once the best committed wait is.
@@ -182,6 +193,15 @@ class CacheAwarePolicy(Policy):
             near = 0.0 if origin is None else locality(labels, origin, same_pen, other_pen)
             cost = uncached + queued + decode + near
             wait_ms = (queued_tokens + uncached_tokens) * inv_w * inv_rate
+            adapter_cost = 0.0
+            if adapter is not None:
+                slots = r.adapter_slots
+                if not slots.holds(adapter):
+                    victim = slots.victim()
+                    load_ms = slots.load_ms * (1.0 + (slots.eviction_cost(victim) if victim is not None else 0.0))
+                    adapter_cost = load_ms * adapter_tokens_per_ms
+                    cost += adapter_cost
+                    wait_ms += slots.load_ms
             add_choice(
                 Choice(
                     r,
@@ -191,6 +211,7 @@ class CacheAwarePolicy(Policy):
                         "queued": queued,
                         "decode": decode,
                         "locality": near,
+                        "adapter": adapter_cost,
                         "cost": cost,
                         "wait_ms": wait_ms,
                         "tier": 0.0,

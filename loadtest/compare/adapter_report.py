@@ -4,10 +4,10 @@
 
 8 simulated replicas, each holding 4 adapters in its GPU slots at once and taking 500 ms
 (model time) to load another; 64 adapters by Zipf popularity, each with a 2,000-token system
-prompt of its own; two popularity skews at two loads. The same requests go to `cache_aware` (blind to adapters: it knows where
-each adapter's prompt is cached, not which adapters are in which slots), `predictive` with
-`adapter_weight: 0` (the same blindness, with predicted times) and `predictive` as shipped,
-which prices a missing adapter's load and the eviction it causes.
+prompt of its own; two popularity skews at two loads. The same requests go to `cache_aware` and
+`predictive` blind to adapters (`adapter_weight: 0`: they know where each adapter's prompt is
+cached, not which adapters are in which slots) and as shipped, pricing a missing adapter's
+load and the eviction it causes.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ WORKLOAD = "lora,adapters=64,system_tokens=2000,question_tokens=64,output_tokens
 SHAPES = ((1.0, 10.0), (1.0, 20.0), (1.2, 10.0), (1.2, 20.0))
 REQUESTS = 4000
 POLICIES: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    ("cache_aware (adapter-blind)", "cache_aware", {}),
+    ("cache_aware, adapter_weight 0 (blind)", "cache_aware", {"adapter_weight": 0}),
     ("predictive, adapter_weight 0 (blind)", "predictive", {"adapter_weight": 0}),
+    ("cache_aware (adapter-aware)", "cache_aware", {}),
     ("predictive (adapter-aware)", "predictive", {}),
 )
 
@@ -94,7 +95,7 @@ def report(seeds: Sequence[int]) -> tuple[str, list[str]]:
                          f"{_ms(row['ttft_p99'])} | {_ms(row['e2e_p50'])} | {row['hit']:.3f} | {row['errors']} |")
             print(f"  zipf {zipf:g}, {rate:g} req/s, {label}: {row['loads']:.0f} loads, TTFT p99 {_ms(row['ttft_p99'])}, "
                   f"hit {row['hit']:.3f}", file=sys.stderr)
-        blind, aware = rows[POLICIES[0][0]], rows[POLICIES[2][0]]
+        blind, aware = rows[POLICIES[0][0]], rows[POLICIES[3][0]]
         fewer = blind["loads"] / aware["loads"] if aware["loads"] else float("inf")
         lower = blind["ttft_p99"] / aware["ttft_p99"] if aware["ttft_p99"] else float("inf")
         lines.append(f"| {zipf:g}, {rate:g} req/s | fixed placement | {fewest:,.0f} | | | | | |")

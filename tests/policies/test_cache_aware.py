@@ -18,7 +18,7 @@ from policies.cache_aware import CacheAwarePolicy
 from policies.registry import POLICIES, make_policy
 from tests.fakes import FakeReplica
 
-TERM_NAMES = {"cached", "uncached", "queued", "decode", "locality", "cost", "wait_ms", "tier"}
+TERM_NAMES = {"cached", "uncached", "queued", "decode", "locality", "adapter", "cost", "wait_ms", "tier"}
 
 
 def fleet_of(n: int, **fields) -> list[FakeReplica]:
@@ -394,3 +394,22 @@ def test_defaults_match_the_documented_calibration():
     assert (p.tie_tolerance_tokens, p.tie_tolerance_ratio) == (128.0, 0.05)
 
 
+
+
+def test_a_replica_holding_the_adapter_wins_unless_blind_to_adapters():
+    from balancer.routing.adapters import AdapterSlots
+
+    holding, other = FakeReplica("holding"), FakeReplica("other")
+    holding.adapter_slots, other.adapter_slots = AdapterSlots(1, 500.0), AdapterSlots(1, 500.0)
+    holding.adapter_slots.started("sql")
+    holding.adapter_slots.ended("sql")
+    # The other replica has the prompt cached and the holder is busier: the load still costs more.
+    request = RequestFeatures("/v1/completions", prompt_tokens=2000, cached_tokens={"other": 2000}, adapter="sql")
+    holding.prefill_tokens_queued = 4000
+    ranked = CacheAwarePolicy(seed=0).rank(request, [other, holding])
+    assert ranked[0].replica is holding
+    terms = {c.replica.name: c.terms for c in ranked}
+    assert terms["holding"]["adapter"] == 0 and terms["other"]["adapter"] == pytest.approx(500.0 * 43.0)
+    assert terms["other"]["wait_ms"] == pytest.approx(500.0)  # its prompt cached: the load is all its wait
+    blind = CacheAwarePolicy(seed=0, adapter_weight=0).rank(request, [other, holding])
+    assert blind[0].replica is other and all(c.terms["adapter"] == 0 for c in blind)
