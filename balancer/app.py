@@ -23,6 +23,7 @@ from balancer.routing.tracker import CacheTracker
 from balancer.serving.adapter_loader import AdapterLoader
 from balancer.serving.admission import Admission
 from balancer.serving.auth import authenticator, replica_key
+from balancer.serving.fleet_endpoints import FleetEndpoints
 from balancer.serving.journey import Forwarder
 from balancer.serving.metrics import Metrics
 from balancer.serving.proxy import Proxy
@@ -103,9 +104,14 @@ class Balancer:
             self.metrics.registry.register(self.adapters)
         if self.forwarder.flow is not None:
             self.metrics.registry.register(self.forwarder.flow.metrics)
+        self.fleet_endpoints = FleetEndpoints(
+            self.core, lambda: self.session, min(settings.timeouts.first_byte_s, 30.0),
+            self.proxy.replica_authorization, self.admin.authorize if self.admin.enabled else None,
+            lambda: self.settings.policy.name,
+        )
         self.routes = Routes(
             settings, self.fleet, self.auth, self.metrics, self.forwarder, ids,
-            self.admin.handle if self.admin.enabled else None,
+            self.admin.handle if self.admin.enabled else None, self.fleet_endpoints,
         )
         # Shared with the HTTP servers and every connection, so a reload reaches them all.
         self.server_limits = ServerLimits(

@@ -44,14 +44,15 @@ class AdminApi:
 
     def handle(self, request: Request) -> None:
         try:
-            self._authorize(request.header("authorization"))
+            self.authorize(request.header("authorization"))
             status, body = self._route(request)
         except ClientError as exc:
             request.respond(exc.status, exc.headers(), exc.body())
             return
         request.respond(status, JSON_HEADERS, orjson.dumps(body))
 
-    def _authorize(self, authorization: str | None) -> None:
+    def authorize(self, authorization: str | None) -> None:
+        """Raises 401 unless `authorization` carries the admin token."""
         assert self.token is not None
         presented = (authorization or "")[len("Bearer "):].strip().encode()
         if not (authorization or "").lower().startswith("bearer ") or not hmac.compare_digest(presented, self.token):

@@ -174,6 +174,12 @@ class RoutingCore:
         if self.tracker is not None:
             self.tracker.forget(replica.name)
 
+    def cache_flushed(self, replica: Replica) -> None:
+        """The replica emptied its prefix cache on request: what kvlb believed it held goes.
+        (Precise mode's exact index hears it from the engine's own events.)"""
+        if self.tracker is not None:
+            self.tracker.forget(replica.name)
+
     def went_out(self, replica: Replica, now: float) -> None:
         """`replica` failed its health checks or was ejected: if it is still out after a
         while, it has probably restarted, lost its cache, and may run elsewhere at another

@@ -13,6 +13,7 @@ from balancer.errors import JSON_HEADERS, ClientError
 from balancer.protocol import ADMIN_PREFIX, FORWARDED_ROUTES
 from balancer.routing.fleet import Fleet
 from balancer.serving.auth import Authenticator
+from balancer.serving.fleet_endpoints import INFO_ROUTES, RESET_ROUTES, TOKEN_ROUTES, FleetEndpoints
 from balancer.serving.journey import Forwarder
 from balancer.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from balancer.serving.metrics import NO_REPLICA, Metrics
@@ -33,6 +34,7 @@ class Routes:
         forwarder: Forwarder,
         ids: RequestIds,
         admin: AdminHandler | None,
+        fleet_endpoints: FleetEndpoints | None = None,
     ) -> None:
         self.settings = settings
         self.fleet = fleet
@@ -50,8 +52,14 @@ class Routes:
             "/metrics": self.metrics_page,
         }
         self._post_routes = frozenset(FORWARDED_ROUTES)
-        # The routes that need a client key: checked on the request's head (admit_head).
-        self._keyed_routes = frozenset((*FORWARDED_ROUTES, "/v1/models"))
+        # The engines' utility routes, answered for the whole fleet (serving/fleet_endpoints.py).
+        self.fleet_endpoints = fleet_endpoints
+        self._fleet_routes = frozenset((*RESET_ROUTES, *TOKEN_ROUTES, *INFO_ROUTES)) if fleet_endpoints else frozenset()
+        # The routes that need a client key: checked on the request's head (admit_head). A
+        # cache reset guarded by the admin token is checked against that token instead.
+        keyed_fleet = [r for r in self._fleet_routes
+                       if not (r in RESET_ROUTES and fleet_endpoints is not None and fleet_endpoints.admin_protected)]
+        self._keyed_routes = frozenset((*FORWARDED_ROUTES, "/v1/models", *keyed_fleet))
 
     def configure(self, settings: Settings) -> None:
         self.settings = settings
@@ -81,6 +89,10 @@ class Routes:
             return
         if self.admin is not None and path.startswith(ADMIN_PREFIX):
             self.admin(request)
+            return
+        if path in self._fleet_routes:
+            assert self.fleet_endpoints is not None
+            await self.fleet_endpoints.handle(request)
             return
         local = self._get_routes.get(path)
         if local is not None and request.method in ("GET", "HEAD"):
