@@ -7,6 +7,8 @@ that speaks to kvlb imports the name from here rather than spelling it again.
 
 from __future__ import annotations
 
+import importlib.metadata
+
 # -- request headers -------------------------------------------------------------------------
 # Affinity key for session-sticky routing; the body's `user` field is the fallback.
 SESSION_HEADER = "x-session-id"
@@ -41,3 +43,11 @@ METRIC_SYNC_LAG = "kvlb_sync_lag_seconds"
 GENERATE_ROUTE = "/generate"  # SGLang's native route: its answers count tokens in `meta_info`
 FORWARDED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", GENERATE_ROUTE)
 ADMIN_PREFIX = "/admin/"
+
+
+def kvlb_version() -> str:
+    """The installed package's version (`kvlb --version`, `GET /version`)."""
+    try:
+        return importlib.metadata.version("kvlb")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

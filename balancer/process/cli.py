@@ -17,6 +17,7 @@ from balancer.config import (
 )
 from balancer.logs import configure_logging
 from balancer.process.launch import register as register_launch
+from balancer.protocol import kvlb_version
 
 log = logging.getLogger("kvlb")
 ENTRY_POINT_GROUP = "kvlb.commands"
@@ -92,6 +93,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvlb", description="KV-cache-aware load balancer for LLM inference")
+    parser.add_argument("--version", action="version", version=f"kvlb {kvlb_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="run the balancer")

@@ -21,7 +21,6 @@ is what an engine without a balancer offers (docs/operations.md says so).
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +28,7 @@ import aiohttp
 import orjson
 
 from balancer.errors import JSON_HEADERS, ClientError
+from balancer.protocol import kvlb_version
 from balancer.routing.core import RoutingCore
 from balancer.routing.fleet import Replica
 from balancer.wire.server import Request
@@ -40,13 +40,6 @@ INFO_ROUTES = ("/version", "/get_server_info")
 ANSWER_EXCERPT = 200
 # Bodies of token routes are small; a larger one is refused before it is read twice.
 MAX_TOKEN_BODY = 8 << 20
-
-
-def kvlb_version() -> str:
-    try:
-        return importlib.metadata.version("kvlb")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 class FleetEndpoints:

@@ -176,3 +176,13 @@ async def test_sighup_applies_a_good_file_and_keeps_running_on_a_bad_one(tmp_pat
             assert proc.poll() is None
         finally:
             stop_process(proc)
+
+
+def test_version_is_the_installed_packages() -> None:
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "balancer", "--version"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0
+    assert done.stdout.strip() == f"kvlb {importlib.metadata.version('kvlb')}"
