@@ -19,9 +19,11 @@ from pathlib import Path
 import openai
 
 from balancer.protocol import REPLICA_HEADER
+from loadtest.client.summary import Results
 from loadtest.client.workloads import load_workload
-from loadtest.compare.compare import compare_live, finish, print_comparison
+from loadtest.compare.compare import compare_live, compare_offline, finish, print_comparison
 from loadtest.procs import free_port, start_process, stop_process, wait_for_http
+from loadtest.simulator.fleetspec import uniform_fleet
 
 REPLICAS = 4
 MODEL = "demo-model"
@@ -172,7 +174,31 @@ async def compare_policies() -> None:
                    f"--replicas {REPLICAS} --out {REPORT_DIR}")
     print("\nTimes in ms of model time (the replicas run ten times faster than the GPUs they model).\n")
     print_comparison(results)
+    offline = compare_offline(workload, uniform_fleet(REPLICAS, PROFILE), ["random", "predictive"],
+                              REPORT_DIR / "offline", progress=False)
+    print_side_by_side(results, offline)
     print(f"\nfull report with plots: {REPORT_DIR / 'report.md'}")
+
+
+def print_side_by_side(live: Results, offline: Results) -> None:
+    """Live beside the offline simulator of the same workload and fleet. A live time is a real
+    time multiplied by the time scale, so the milliseconds the client, the HTTP hops and kvlb
+    spend per request (real time, not model time) come out TIME_SCALE times larger: that, not
+    the routing, is most of what separates the two at the median."""
+    print("\nthe same workload offline (kvlb simulate, no real time: every figure is model time):\n")
+    print(f"  {'policy':<12} {'':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'E2E p50':>9} {'cache hit':>9}")
+    for name in live:
+        rows = (("live", live[name][0]), ("offline", offline[name][0]))
+        for label, summary in rows:
+            ttft, e2e = summary["ttft_s"], summary["e2e_s"]
+            print(f"  {name if label == 'live' else '':<12} {label:>8} {_ms(ttft['p50'])} {_ms(ttft['p99'])} "
+                  f"{_ms(e2e['p50'])} {summary['cache_hit_ratio']:>9.3f}")
+    print(f"  Live times carry each request's real overhead (client, HTTP, kvlb: a few ms) times "
+          f"{TIME_SCALE}; the offline ones carry none.")
+
+
+def _ms(seconds: float | None) -> str:
+    return f"{'-':>9}" if seconds is None else f"{seconds * 1000:>7.0f}ms"
 
 
 if __name__ == "__main__":
