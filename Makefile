@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-engine bench lint clean
+.PHONY: demo test test-engine test-clients bench lint clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
@@ -23,6 +23,19 @@ test: $(STAMP)
 # Installs vLLM for CPU into ~/.cache/kvlb (once per machine) and runs kvlb against it.
 test-engine: $(STAMP)
 	$(PY) -m pytest -q -s -m engine tests/engine
+
+# Standard benchmark clients in environments of their own (aiperf pins its own packages).
+AIPERF_VENV := .venv-aiperf
+AIPERF_STAMP := $(AIPERF_VENV)/.installed
+
+$(AIPERF_STAMP):
+	test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(AIPERF_VENV)/bin/python -m pip install --quiet 'aiperf==0.13.*'
+	touch $(AIPERF_STAMP)
+
+test-clients: $(STAMP) $(AIPERF_STAMP)
+	$(PY) -m pytest -q -s -m clients tests/clients
 
 bench: $(STAMP)
 	$(PY) -m loadtest.bench.proxy

@@ -80,6 +80,11 @@ interactive-batch  One tenant's interactive traffic (`critical_share` of it clas
     requests=1000  rate=8  critical_share=0.3  batch_share=0.5  interactive_tokens=512
     interactive_output=64  batch_tokens=2048  batch_output=256
 
+payloads:PATH   Recorded request bodies sent as they are: aiperf's inputs.json
+                (`{"data": [{"payloads": [BODY, ...]}, ...]}`) or JSONL, one body a line;
+                chat or completions by the body. Poisson arrivals at `rate` (default 8/s).
+    repeat=1            send the whole list this many times over, in order
+
 lora            Fine-tuned models on one base: each request names a LoRA adapter in `model`
                 (`prefix` + 0..`adapters`-1, drawn by Zipf popularity) and opens with that
                 adapter's own system prompt, then a question of its own; completions.
@@ -95,9 +100,10 @@ import functools
 import json
 import math
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from types import MappingProxyType
 from typing import Any
 
 from loadtest.replica.tokens import output_text
@@ -158,11 +164,22 @@ class WorkRequest:
     priority: str | None = None
     # The LoRA adapter it runs under: its `model`, as vLLM names adapters.
     adapter: str | None = None
+    # A recorded request body sent as it is (`payloads:FILE`), instead of one built from parts.
+    body: Mapping[str, Any] | None = field(default=None, repr=False)
 
     def payload(self, model: str | None = None, stream: bool = True) -> dict:
         """The OpenAI JSON body for this request, built fresh from its recipe."""
         if self.adapter is not None:
             model = self.adapter
+        if self.body is not None:
+            recorded = {**self.body, "stream": stream}
+            if model is not None:
+                recorded["model"] = model
+            if stream:
+                recorded["stream_options"] = {"include_usage": True}
+            else:
+                recorded.pop("stream_options", None)
+            return recorded
         body: dict[str, Any] = {} if model is None else {"model": model}
         if self.route == ROUTE_CHAT:
             body["messages"] = [
@@ -315,6 +332,46 @@ def _read_azure(path: str, opts: dict, rng: random.Random) -> tuple[str, list, l
     start = min((d.arrival_s for d in drafts), default=0.0)
     drafts = [dataclasses.replace(d, arrival_s=d.arrival_s - start) for d in drafts]
     return f"azure trace {path}", drafts, warnings
+
+
+def _read_payloads(path: str, opts: dict, rng: random.Random) -> tuple[str, list, list]:
+    """Recorded OpenAI request bodies: aiperf's `inputs.json` (`{"data": [{"payloads": [...]}]}`)
+    or JSONL, one body a line. Sent `repeat` times over, in order, as aiperf cycles its dataset."""
+    with _open(path, "rb") as f:
+        raw = f.read()
+    try:
+        whole = json.loads(raw)
+    except ValueError:
+        whole = None
+    if isinstance(whole, dict) and isinstance(whole.get("data"), list):
+        bodies = [(i + 1, p) for i, entry in enumerate(whole["data"]) if isinstance(entry, dict)
+                  for p in entry.get("payloads", [])]
+    else:
+        bodies = [(lineno, line) for lineno, line in enumerate(raw.splitlines(), 1) if line.strip()]
+
+    def parse(lineno: int, item: Any) -> WorkRequest:
+        if isinstance(item, bytes):
+            try:
+                item = json.loads(item)
+            except ValueError as e:
+                raise _BadRow(f"invalid JSON ({e})") from None
+        if not isinstance(item, dict) or not ("messages" in item or "prompt" in item):
+            raise _BadRow("expected a request body with `messages` or `prompt`")
+        chat = "messages" in item
+        texts = [m.get("content") for m in item["messages"]] if chat else [item["prompt"]]
+        if not all(isinstance(t, str) for t in texts):
+            raise _BadRow("only text prompts can be replayed")
+        words = sum(len(t.split()) for t in texts) + (len(texts) + 1 if chat else 0)
+        output = item.get("max_completion_tokens", item.get("max_tokens", 16))
+        output = _whole(output, "max_tokens", 1)
+        return WorkRequest(0, 0.0, words, output, None, ROUTE_CHAT if chat else ROUTE_COMPLETIONS,
+                           body=MappingProxyType(dict(item)))
+
+    drafts, warnings = _collect(path, bodies, parse, opts["on_error"])
+    drafts = drafts * opts["repeat"]
+    arrivals = _poisson(rng, len(drafts), opts["rate"] or 8.0)
+    drafts = [dataclasses.replace(d, arrival_s=at) for d, at in zip(drafts, arrivals, strict=True)]
+    return f"payloads: {len(drafts) // opts['repeat']} recorded bodies x {opts['repeat']}", drafts, warnings
 
 
 def _shared_prefix(path: str | None, o: dict, rng: random.Random) -> tuple[str, list, list]:
@@ -484,6 +541,7 @@ _Builder = Callable[[Any, dict, random.Random], tuple[str, list, list]]
 _KINDS: dict[str, tuple[_Builder, bool, dict[str, _Option]]] = {
     "mooncake": (_read_mooncake, True, {"block_size": (_COUNT, 512), "on_error": _ON_ERROR}),
     "azure": (_read_azure, True, {"on_error": _ON_ERROR}),
+    "payloads": (_read_payloads, True, {"repeat": (_COUNT, 1), "on_error": _ON_ERROR}),
     "shared-prefix": (_shared_prefix, False, {
         "groups": (_COUNT, 64), "prompts_per_group": (_COUNT, 16),
         "system_tokens": (_COUNT, 2048), "question_tokens": (_COUNT, 128),

@@ -321,3 +321,29 @@ def test_payload_shape(small_trace: Path) -> None:
 def test_vocabulary_maps_bytes_uniformly() -> None:
     assert 256 % len(workloads._VOCAB) == 0 and len(set(workloads._VOCAB)) == len(workloads._VOCAB)
     assert len(workloads._BYTE_WORDS) == 256
+
+
+def test_recorded_bodies_are_replayed_as_they_are(tmp_path):
+    import json
+
+    chat = {"model": "theirs", "messages": [{"role": "system", "content": "be brief"},
+                                            {"role": "user", "content": "one two three"}],
+            "max_completion_tokens": 7, "ignore_eos": True}
+    completion = {"prompt": "four five", "max_tokens": 3}
+    aiperf = tmp_path / "inputs.json"
+    aiperf.write_text(json.dumps({"data": [{"session_id": "a", "payloads": [chat]},
+                                           {"session_id": "b", "payloads": [completion]}]}))
+    lines = tmp_path / "bodies.jsonl"
+    lines.write_text(json.dumps(chat) + "\n\n" + json.dumps(completion) + "\n{not json\n")
+    for path, skipped in ((aiperf, 0), (lines, 1)):
+        workload = load_workload(f"payloads:{path},repeat=2,seed=1")
+        assert len(workload.warnings) == skipped
+        requests = workload.requests
+        assert [r.route for r in requests] == ["/v1/chat/completions", "/v1/completions"] * 2
+        assert [r.prompt_tokens for r in requests[:2]] == [2 + 3 + 3, 2]  # chat: words, messages, one
+        assert [r.output_tokens for r in requests[:2]] == [7, 3]
+        body = requests[0].payload("mine", stream=True)
+        assert body["messages"] == chat["messages"] and body["model"] == "mine" and body["ignore_eos"] is True
+        assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+        assert "stream_options" not in requests[1].payload("mine", stream=False)
+        assert all(a.arrival_s <= b.arrival_s for a, b in zip(requests, requests[1:], strict=False))

@@ -1,0 +1,136 @@
+"""NVIDIA's aiperf, unchanged, against kvlb in front of simulated replicas (`make test-clients`):
+a synthetic run, a shared-prefix run that resets the fleet's caches first, and a multi-turn
+run, each with no errors and token counts that match the replicas' own."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from loadtest.client.runner import run_load
+from loadtest.client.workloads import load_workload
+from loadtest.clients.aiperf import CORPUS, VENV, aiperf_bin, metric, profile, word_tokenizer
+from loadtest.replica.launch import ReplicaProcess
+from tests.conftest import make_settings, run_balancer
+
+pytestmark = [
+    pytest.mark.clients,
+    pytest.mark.skipif(not aiperf_bin().exists(), reason="aiperf is not installed: make test-clients"),
+]
+
+MODEL = "m"
+TIME_SCALE = 10
+REPLICAS = 4
+
+
+@asynccontextmanager
+async def fleet() -> AsyncIterator[tuple[str, list[ReplicaProcess]]]:
+    """Simulated replicas and kvlb in front; yields kvlb's URL and the replicas."""
+    with ExitStack() as processes:
+        replicas = [processes.enter_context(ReplicaProcess(["--model", MODEL, "--time-scale", str(TIME_SCALE)]))
+                    for _ in range(REPLICAS)]
+        async with AsyncExitStack() as stack:
+            settings = make_settings([{"url": r.url, "name": f"r{i}"} for i, r in enumerate(replicas)],
+                                     policy={"name": "predictive", "seed": 0})
+            running = await stack.enter_async_context(run_balancer(settings))
+            yield running.url, replicas
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return word_tokenizer(tmp_path_factory.mktemp("tokenizer"), VENV / CORPUS)
+
+
+async def aiperf(url: str, tokenizer: Path, out: Path, *args: str) -> dict:
+    # aiperf blocks until done; kvlb runs on this loop, so it must keep running meanwhile.
+    return await asyncio.to_thread(profile, url, MODEL, tokenizer, out, list(args))
+
+
+async def prompt_counters(replicas: list[ReplicaProcess]) -> tuple[int, int]:
+    """(prompt tokens, of which served from cache), summed over the replicas' own counters."""
+    prompt = cached = 0
+    async with aiohttp.ClientSession() as http:
+        for replica in replicas:
+            async with http.get(replica.url + "/admin/stats") as resp:
+                engine = (await resp.json())["engine"]
+            prompt += engine["prompt_tokens"]
+            cached += engine["cached_prompt_tokens"]
+    return prompt, cached
+
+
+def assert_clean(summary: dict, requests: int) -> None:
+    assert summary["error_summary"] == [], summary["error_summary"]
+    assert len(summary["records"]) == requests
+    assert all(metric(r, "usage_prompt_tokens") for r in summary["records"])
+
+
+async def test_a_synthetic_run_counts_tokens_as_the_replicas_do(tokenizer: Path, tmp_path: Path) -> None:
+    async with fleet() as (url, _):
+        summary = await aiperf(
+            url, tokenizer, tmp_path, "--endpoint-type", "completions", "--streaming", "--request-count", "40",
+            "--concurrency", "4", "--prompt-input-tokens-mean", "256", "--prompt-input-tokens-stddev", "0",
+            "--prompt-output-tokens-mean", "32", "--prompt-output-tokens-stddev", "0",
+            "--extra-inputs", "ignore_eos:true")
+    assert_clean(summary, 40)
+    for record in summary["records"]:
+        assert metric(record, "usage_prompt_tokens") == metric(record, "input_sequence_length") == 256
+        assert metric(record, "usage_completion_tokens") == metric(record, "output_sequence_length") == 32
+
+
+async def test_a_shared_prefix_run_resets_the_caches_and_reads_them_as_kvlbs_harness_does(
+        tokenizer: Path, tmp_path: Path) -> None:
+    entries, rounds = 12, 4
+    async with fleet() as (url, replicas):
+        async with aiohttp.ClientSession() as http:  # something cached, for the reset to clear
+            body = {"model": MODEL, "prompt": "warm the caches " * 50, "max_tokens": 2}
+            for _ in range(4):
+                async with http.post(url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+        before = await prompt_counters(replicas)
+        summary = await aiperf(
+            url, tokenizer, tmp_path / "aiperf", "--endpoint-type", "chat", "--streaming",
+            "--request-count", str(entries * rounds), "--concurrency", "4", "--num-dataset-entries", str(entries),
+            "--shared-system-prompt-length", "512", "--user-context-prompt-length", "128",
+            "--prompt-input-tokens-mean", "128", "--prompt-input-tokens-stddev", "0",
+            "--prompt-output-tokens-mean", "16", "--prompt-output-tokens-stddev", "0",
+            "--extra-inputs", "ignore_eos:true", "--reset-kv-cache")
+        after = await prompt_counters(replicas)
+        assert_clean(summary, entries * rounds)
+        # The replicas' count is the client's plus the chat template's: one per message, and one.
+        for record in summary["records"]:
+            assert metric(record, "usage_prompt_tokens") == metric(record, "input_sequence_length") + 4
+        aiperf_reads = (after[1] - before[1]) / (after[0] - before[0])
+
+        # The same bodies in the same order through kvlb's own harness, on caches reset again.
+        async with aiohttp.ClientSession() as http, http.post(url + "/reset_prefix_cache") as resp:
+            assert resp.status == 200
+        workload = load_workload(f"payloads:{tmp_path / 'aiperf' / 'inputs.json'},repeat={rounds},rate=20")
+        before = await prompt_counters(replicas)
+        records, _ = await run_load(url, workload.requests, model=MODEL, time_scale=TIME_SCALE, timeout_s=60,
+                                    progress=False)
+        after = await prompt_counters(replicas)
+    assert all(r.ok for r in records)
+    harness_reads = (after[1] - before[1]) / (after[0] - before[0])
+    print(f"cache reads: aiperf {aiperf_reads:.3f}, kvlb's harness {harness_reads:.3f}")
+    assert aiperf_reads > 0.5
+    assert abs(aiperf_reads - harness_reads) <= 0.1 * harness_reads
+
+
+async def test_a_multi_turn_run_is_served_whole(tokenizer: Path, tmp_path: Path) -> None:
+    async with fleet() as (url, replicas):
+        before = await prompt_counters(replicas)
+        summary = await aiperf(
+            url, tokenizer, tmp_path, "--endpoint-type", "chat", "--streaming", "--conversation-num", "6",
+            "--conversation-turn-mean", "3", "--conversation-turn-stddev", "0",
+            "--prompt-input-tokens-mean", "128", "--prompt-input-tokens-stddev", "0",
+            "--prompt-output-tokens-mean", "16", "--prompt-output-tokens-stddev", "0",
+            "--extra-inputs", "ignore_eos:true")
+        after = await prompt_counters(replicas)
+    assert_clean(summary, 18)
+    # Later turns resend the conversation so far: the replicas serve much of it from cache.
+    assert after[1] - before[1] > 0
