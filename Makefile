@@ -34,7 +34,19 @@ $(AIPERF_STAMP):
 	$(AIPERF_VENV)/bin/python -m pip install --quiet 'aiperf==0.13.*'
 	touch $(AIPERF_STAMP)
 
-test-clients: $(STAMP) $(AIPERF_STAMP)
+# inference-perf installs only under Python 3.12: pyenv's, or the system's, where there is one.
+PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12))
+IPERF_VENV := .venv-inference-perf
+IPERF_STAMP := $(IPERF_VENV)/.installed
+
+$(IPERF_STAMP):
+	@if [ -z "$(PYTHON312)" ]; then echo "no Python 3.12 here: the inference-perf tests are skipped"; exit 0; fi; \
+	set -e; test -x $(IPERF_VENV)/bin/python || $(PYTHON312) -m venv $(IPERF_VENV); \
+	$(IPERF_VENV)/bin/python -m pip install --quiet --upgrade pip; \
+	$(IPERF_VENV)/bin/python -m pip install --quiet 'inference-perf==0.7.*'; \
+	touch $(IPERF_STAMP)
+
+test-clients: $(STAMP) $(AIPERF_STAMP) $(IPERF_STAMP)
 	$(PY) -m pytest -q -s -m clients tests/clients
 
 bench: $(STAMP)

@@ -5,8 +5,6 @@ run, each with no errors and token counts that match the replicas' own."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, ExitStack, asynccontextmanager
 from pathlib import Path
 
 import aiohttp
@@ -14,53 +12,17 @@ import pytest
 
 from loadtest.client.runner import run_load
 from loadtest.client.workloads import load_workload
-from loadtest.clients.aiperf import CORPUS, VENV, aiperf_bin, metric, profile, word_tokenizer
-from loadtest.replica.launch import ReplicaProcess
-from tests.conftest import make_settings, run_balancer
+from loadtest.clients.aiperf import aiperf_bin, metric, profile
+from tests.clients.conftest import MODEL, TIME_SCALE, fleet, prompt_counters
 
 pytestmark = [
     pytest.mark.clients,
     pytest.mark.skipif(not aiperf_bin().exists(), reason="aiperf is not installed: make test-clients"),
 ]
 
-MODEL = "m"
-TIME_SCALE = 10
-REPLICAS = 4
-
-
-@asynccontextmanager
-async def fleet() -> AsyncIterator[tuple[str, list[ReplicaProcess]]]:
-    """Simulated replicas and kvlb in front; yields kvlb's URL and the replicas."""
-    with ExitStack() as processes:
-        replicas = [processes.enter_context(ReplicaProcess(["--model", MODEL, "--time-scale", str(TIME_SCALE)]))
-                    for _ in range(REPLICAS)]
-        async with AsyncExitStack() as stack:
-            settings = make_settings([{"url": r.url, "name": f"r{i}"} for i, r in enumerate(replicas)],
-                                     policy={"name": "predictive", "seed": 0})
-            running = await stack.enter_async_context(run_balancer(settings))
-            yield running.url, replicas
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return word_tokenizer(tmp_path_factory.mktemp("tokenizer"), VENV / CORPUS)
-
-
 async def aiperf(url: str, tokenizer: Path, out: Path, *args: str) -> dict:
     # aiperf blocks until done; kvlb runs on this loop, so it must keep running meanwhile.
     return await asyncio.to_thread(profile, url, MODEL, tokenizer, out, list(args))
-
-
-async def prompt_counters(replicas: list[ReplicaProcess]) -> tuple[int, int]:
-    """(prompt tokens, of which served from cache), summed over the replicas' own counters."""
-    prompt = cached = 0
-    async with aiohttp.ClientSession() as http:
-        for replica in replicas:
-            async with http.get(replica.url + "/admin/stats") as resp:
-                engine = (await resp.json())["engine"]
-            prompt += engine["prompt_tokens"]
-            cached += engine["cached_prompt_tokens"]
-    return prompt, cached
 
 
 def assert_clean(summary: dict, requests: int) -> None:
