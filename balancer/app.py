@@ -29,6 +29,7 @@ from balancer.serving.metrics import Metrics
 from balancer.serving.proxy import Proxy
 from balancer.serving.request_ids import RequestIds, make_error_answer
 from balancer.serving.routes import Routes, admin_only
+from balancer.serving.tracing import Tracing
 from balancer.watchers.dns import DnsDiscovery, Resolver, system_resolver
 from balancer.watchers.flow_share import FlowShare
 from balancer.watchers.health import HealthChecker
@@ -96,9 +97,10 @@ class Balancer:
         self.adapters = (AdapterLoader(settings.adapters, self.core, lambda: self.session,
                                        self.proxy.replica_authorization)
                          if settings.adapters.load_on_demand else None)
+        self.tracing = Tracing(settings.tracing) if settings.tracing.otlp_endpoint else None
         self.forwarder = Forwarder(
             settings, self.core, self.admission, self.proxy, self.metrics, ids, self.prompt_tokens,
-            lambda: self.session, self.auth.tenant_of, self.adapters,
+            lambda: self.session, self.auth.tenant_of, self.adapters, self.tracing,
         )
         if self.adapters is not None:
             self.metrics.registry.register(self.adapters)
@@ -183,6 +185,8 @@ class Balancer:
         self.pool.close()
         if self.session is not None:
             await self.session.close()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # the last spans still go out
 
     def apply_live(self, settings: Settings) -> None:
         """Take the sections that can change while serving (see balancer/ops/reload.py)."""

@@ -245,6 +245,16 @@ class LoggingSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class TracingSettings:
+    """OpenTelemetry traces over OTLP/HTTP (needs kvlb[tracing]); off without an endpoint."""
+
+    otlp_endpoint: str | None = _checked(None, _http_url)  # e.g. http://127.0.0.1:4318/v1/traces
+    service_name: str = _checked("kvlb", _non_empty)
+    sample_ratio: float = _checked(1.0, _rule(lambda v: 0 <= v <= 1, "must be in [0, 1], got {!r}"))
+    export_interval_s: float = _checked(1.0, _positive)  # how long finished spans wait to be sent together
+
+
+@dataclass(frozen=True, slots=True)
 class RoutingSettings:
     """How requests are turned into prefixes and located: used by cache-aware policies."""
 
@@ -508,6 +518,7 @@ class Settings:
     auth: AuthSettings = _section(AuthSettings)
     admin: AdminSettings = _section(AdminSettings)
     logging: LoggingSettings = _section(LoggingSettings)
+    tracing: TracingSettings = _section(TracingSettings)
     sync: SyncSettings = _section(SyncSettings)
     kv_events: KvEventsSettings = _section(KvEventsSettings)
     flow_control: FlowControlSettings = _section(FlowControlSettings, _flow_classes_known)

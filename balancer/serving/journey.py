@@ -33,6 +33,7 @@ from balancer.serving.metrics import NO_REPLICA, Metrics
 from balancer.serving.proxy import Outcome, Proxy, end_broken_response
 from balancer.serving.request_ids import RequestIds
 from balancer.serving.tokenize import tokenize_remotely
+from balancer.serving.tracing import Tracing
 from balancer.wire.server import Request
 from policies.base import Choice, RequestFeatures
 
@@ -52,11 +53,13 @@ class Forwarder:
         session: Callable[[], aiohttp.ClientSession | None],
         tenant_of: Callable[[str | None], str | None] = lambda identity: None,
         adapters: AdapterLoader | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.core = core
         self.flow = FlowGate(core.flow) if core.flow is not None else None
         self.tenant_of = tenant_of  # an API key's identity → its tenant
         self.adapters = adapters  # LoRA adapters loaded on demand
+        self.tracing = tracing  # None: tracing off, and nothing of it on the path
         self.fleet = core.fleet
         self.admission = admission
         self.proxy = proxy
@@ -80,6 +83,8 @@ class Forwarder:
         started = loop.time()
         request_id = self.ids.of(request, self.id_header)
         outcome = Outcome()
+        if self.tracing is not None:
+            outcome.trace = self.tracing.start(request, route, request_id)
         admitted = False
         counted_model: str | None = None  # its model has a bound of its own, and it counts
         ticket: Ticket | None = None
@@ -149,6 +154,9 @@ class Forwarder:
             self.metrics.observe_request(route, outcome.replica, outcome.status, elapsed, model, ttft, failover)
             if self.access_log and access_log.isEnabledFor(logging.INFO):
                 log_access(request, route, request_id, outcome, elapsed, ttft, ticket)
+            if outcome.trace is not None:
+                outcome.trace.end(outcome.status, {"kvlb.replica": outcome.replica, "kvlb.model": outcome.model,
+                                                   "kvlb.attempts": len(outcome.attempts)})
 
     def _ticket(self, request: Request, features: RequestFeatures, now: float) -> Ticket:
         """Who the request is for and how urgent it is: its key's tenant, or, behind a
@@ -239,6 +247,8 @@ class Forwarder:
         rank_began = clock()
         journey = self.core.plan(route, features, prompt, candidates, request.header(self._region_header))
         self.metrics.observe_decision(route, parse_s + clock() - rank_began)
+        if outcome.trace is not None:
+            outcome.trace.decision(features.model, len(candidates), journey.ranking)
         ranking = journey.ranking
         explained = explain(ranking) if self._route_header or log.isEnabledFor(logging.DEBUG) else None
         if explained is not None:

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 
@@ -25,6 +26,7 @@ from balancer.protocol import GENERATE_ROUTE, REPLICA_HEADER
 from balancer.routing.core import Journey, RoutingCore
 from balancer.routing.fleet import Replica
 from balancer.serving.metrics import Metrics
+from balancer.serving.tracing import TRACE_HEADERS
 from balancer.serving.usage import (
     META_MARK,
     PROMPT_MARK,
@@ -80,6 +82,8 @@ class Outcome:
     first_byte_at: float | None = None
     # What the replica reported, when it did (read only while the access log is on).
     tokens: TokenCounts | None = None
+    # Its spans, with tracing on (serving/tracing.py's RequestTrace); None otherwise.
+    trace: Any = None
 
 
 async def end_broken_response(request: Request, outcome: Outcome, reason: str) -> None:
@@ -172,21 +176,28 @@ class Proxy:
         loop = asyncio.get_running_loop()
         retry_after: float | None = None
         outcome.attempts = journey.attempts
+        trace = outcome.trace
+        if trace is not None:
+            # Each attempt carries its own span's context in place of the client's.
+            headers = [(n, v) for n, v in headers if n.lower() not in TRACE_HEADERS]
         while (replica := core.next_attempt(journey, loop.time())) is not None:
             outcome.replica = replica.name
             resp: UpstreamResponse | None = None
             answered = False
+            attempt = "error"  # how the attempt ended, for its span
             try:
+                sent = headers if trace is None else headers + trace.attempt(replica.name)
                 try:
                     resp = await self.pool.request(
-                        replica.url, request.method, request.target, headers, request.body, first_byte_s
+                        replica.url, request.method, request.target, sent, request.body, first_byte_s
                     )
                 except (TimeoutError, OSError) as exc:
-                    kind = ("timeout" if isinstance(exc, TimeoutError)
-                            else "invalid_response" if isinstance(exc, InvalidResponse) else "connect_error")
+                    kind = attempt = ("timeout" if isinstance(exc, TimeoutError)
+                                      else "invalid_response" if isinstance(exc, InvalidResponse) else "connect_error")
                     failures.append(f"{replica.name}: {kind} ({exc.__class__.__name__})")
                     self._failed(journey, kind, loop.time())
                     continue
+                attempt = f"http_{resp.status}"
                 if resp.status in RETRY_STATUSES:
                     failures.append(f"{replica.name}: HTTP {resp.status}")
                     wait = _retry_after_seconds(resp.header("Retry-After"))
@@ -206,6 +217,7 @@ class Proxy:
                 fault = await self._relay(request, resp, replica, journey, request_id, outcome, extra_headers)
                 now = loop.time()
                 if fault is not None:
+                    attempt = fault
                     self._failed(journey, fault, now)
                 elif resp.status in FAULT_STATUSES:
                     self._failed(journey, f"http_{resp.status}", now)
@@ -218,6 +230,8 @@ class Proxy:
                 if resp is not None:
                     resp.close()
                 core.end_attempt(journey, answered=answered)
+                if trace is not None:
+                    trace.attempt_ended(attempt)
         raise ClientError(
             502,
             f"all {len(failures)} attempt(s) failed: " + "; ".join(failures),
@@ -252,7 +266,9 @@ class Proxy:
             out += extra
         return out
 
-    def _first_byte(self, journey: Journey) -> None:
+    def _first_byte(self, journey: Journey, outcome: Outcome) -> None:
+        if outcome.trace is not None:
+            outcome.trace.first_byte()
         error = self.core.first_byte(journey, asyncio.get_running_loop().time())
         if error is not None:
             self.metrics.observe_ttft_error(error)
@@ -300,7 +316,7 @@ class Proxy:
             counts = counts_of(payload)
             if read_usage:
                 outcome.tokens = counts
-            self._first_byte(journey)
+            self._first_byte(journey, outcome)
             if routed is not None:
                 self._learn(journey, replica, learnable(counts))
                 if counts is not None and counts.output is not None:
@@ -327,7 +343,7 @@ class Proxy:
                     usage.append(chunk)
 
         relay = StreamRelay(stream, resp, asyncio.get_running_loop(), idle_s, on_chunk,
-                            lambda: self._first_byte(journey))
+                            lambda: self._first_byte(journey, outcome))
         try:
             await relay.run()
         except ClientStalled:
