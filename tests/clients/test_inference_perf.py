@@ -78,3 +78,19 @@ async def test_a_shared_prefix_run_reads_the_caches_as_kvlbs_harness_does(tokeni
     print(f"cache reads: inference-perf {replica_reads:.3f}, kvlb's harness {harness_reads:.3f}")
     assert replica_reads > 0.5
     assert abs(replica_reads - harness_reads) <= 0.1 * harness_reads
+
+
+async def test_a_multi_turn_run_is_served_whole(tokenizer: Path, tmp_path: Path) -> None:
+    """Each group's prompts as consecutive turns of one conversation: each turn resends the
+    conversation so far, which the replicas serve much of from cache."""
+    async with fleet() as (url, replicas):
+        before = await prompt_counters(replicas)
+        summary = await inference_perf(
+            url, tokenizer, tmp_path, api={"type": "chat", "streaming": True},
+            data={"type": "shared_prefix", "shared_prefix": {
+                "num_groups": 4, "num_prompts_per_group": 4, "system_prompt_len": 256, "question_len": 32,
+                "output_len": 16, "enable_multi_turn_chat": True}},
+            rate=4, duration_s=4)
+        after = await prompt_counters(replicas)
+    assert_clean(summary, 16)
+    assert (after[1] - before[1]) / (after[0] - before[0]) > 0.5
