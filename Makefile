@@ -53,6 +53,7 @@ bench: $(STAMP)
 	$(PY) -m loadtest.bench.proxy
 	$(PY) -m loadtest.bench.stream
 	$(PY) -m loadtest.bench.flow
+	$(PY) -m loadtest.bench.tracing
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
