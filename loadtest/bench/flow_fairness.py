@@ -22,7 +22,7 @@ import uvloop
 
 from balancer import start_balancer
 from balancer.config import parse_settings
-from loadtest.bench.flow_share import FLOW, upstream
+from loadtest.bench.flow_share import FLOW, fleet_arguments, upstream
 from loadtest.procs import free_port
 
 
@@ -91,10 +91,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=200.0, help="requests a second per tenant")
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--warmup-s", type=float, default=1.0)
-    parser.add_argument("--hold-s", type=float, default=0.05)
-    parser.add_argument("--interval-s", type=float, default=0.1, help="sync.load_interval_s")
-    parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
-    uvloop.run(bench(parser.parse_args()))
+    uvloop.run(bench(fleet_arguments(parser).parse_args()))
 
 
 if __name__ == "__main__":

@@ -95,15 +95,20 @@ async def bench(args: argparse.Namespace) -> None:
         await runner.cleanup()
 
 
+def fleet_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The replica's time per request and the instances' exchange, for the benches of sharing."""
+    parser.add_argument("--hold-s", type=float, default=0.05, help="the replica's time per request")
+    parser.add_argument("--interval-s", type=float, default=0.1, help="sync.load_interval_s")
+    parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    return parser
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bound", type=int, default=20)
     parser.add_argument("--rate", type=float, default=400.0)
     parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--hold-s", type=float, default=0.05)
-    parser.add_argument("--interval-s", type=float, default=0.1, help="sync.load_interval_s")
-    parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
-    uvloop.run(bench(parser.parse_args()))
+    uvloop.run(bench(fleet_arguments(parser).parse_args()))
 
 
 if __name__ == "__main__":
