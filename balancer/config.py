@@ -296,16 +296,25 @@ class TenantSettings:
     max_queued: int | None = _checked(None, _at_least(0))  # its requests waiting at once
 
 
-def _uniquely_named(items: tuple[Any, ...]) -> tuple[Any, ...]:
-    seen: dict[str, int] = {}
-    problems = []
-    for i, item in enumerate(items):
-        if item.name in seen:
-            problems.append(f"[{i}].name: duplicate name {item.name!r} (as [{seen[item.name]}])")
-        seen.setdefault(item.name, i)
-    if problems:
-        raise ConfigError(problems)
-    return items
+def _unique(key: str) -> Check:
+    """A list's check: no two of its entries share `key`."""
+
+    def check(items: tuple[Any, ...]) -> tuple[Any, ...]:
+        seen: dict[str, int] = {}
+        problems = []
+        for i, item in enumerate(items):
+            value = getattr(item, key)
+            if value in seen:
+                problems.append(f"[{i}].{key}: duplicate {key} {value!r} (as [{seen[value]}])")
+            seen.setdefault(value, i)
+        if problems:
+            raise ConfigError(problems)
+        return items
+
+    return check
+
+
+_uniquely_named = _unique("name")
 
 
 @dataclass(frozen=True, slots=True)
@@ -433,18 +442,6 @@ class ModelSettings:
     max_in_flight: int | None = _checked(None, _at_least(1))  # its requests at once; beyond, 429
 
 
-def _one_entry_per_model(items: tuple[ModelSettings, ...]) -> tuple[ModelSettings, ...]:
-    seen: dict[str, int] = {}
-    problems = []
-    for i, item in enumerate(items):
-        if item.model in seen:
-            problems.append(f"[{i}].model: {item.model!r} is already configured (as [{seen[item.model]}])")
-        seen.setdefault(item.model, i)
-    if problems:
-        raise ConfigError(problems)
-    return items
-
-
 @dataclass(frozen=True, slots=True)
 class LoadableAdapter:
     """A LoRA adapter kvlb may ask a replica to load when no replica serves it yet."""
@@ -523,7 +520,7 @@ class Settings:
     kv_events: KvEventsSettings = _section(KvEventsSettings)
     flow_control: FlowControlSettings = _section(FlowControlSettings, _flow_classes_known)
     adapters: AdapterSettings = _section(AdapterSettings)
-    per_model: tuple[ModelSettings, ...] = _checked((), check=_one_entry_per_model)
+    per_model: tuple[ModelSettings, ...] = _checked((), check=_unique("model"))
 
 
 # --- validation engine ------------------------------------------------------------------------

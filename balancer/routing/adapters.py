@@ -60,11 +60,7 @@ class AdapterDemand:
         self._holders[adapter] = self._holders.get(adapter, 0) + 1
 
     def evicted(self, adapter: str) -> None:
-        left = self._holders.get(adapter, 0) - 1
-        if left > 0:
-            self._holders[adapter] = left
-        else:
-            self._holders.pop(adapter, None)
+        _decrement(self._holders, adapter)
 
 
 class AdapterSlots:
@@ -131,14 +127,19 @@ class AdapterSlots:
         self._running[adapter] = self._running.get(adapter, 0) + 1
 
     def ended(self, adapter: str) -> None:
-        left = self._running.get(adapter, 0) - 1
-        if left > 0:
-            self._running[adapter] = left
-        else:
-            self._running.pop(adapter, None)
+        _decrement(self._running, adapter)
 
     def forget(self) -> None:
         """The replica restarted or was out long enough to have: it holds none now."""
         for adapter in self._resident:
             self.demand.evicted(adapter)
         self._resident.clear()
+
+
+def _decrement(counts: dict[str, int], key: str) -> None:
+    """One fewer of `key`; a count that reaches nothing leaves, so the dict stays bounded."""
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)

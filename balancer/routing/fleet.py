@@ -213,11 +213,10 @@ class Fleet:
         """Requests for `model` the fleet could start now: each routable replica's room
         under its max_concurrency, `unbounded` as soon as one has no cap."""
         free = 0
-        for r in self.replicas:
-            if r.healthy and not r.draining and r.serves(model) and r.breaker.allows(now):
-                if r.max_concurrency is None:
-                    return unbounded
-                free += max(r.max_concurrency - r.in_flight, 0)
+        for r in self.routable(model, None, now):
+            if r.max_concurrency is None:
+                return unbounded
+            free += max(r.max_concurrency - r.in_flight, 0)
         return free
 
     def add(self, settings: ReplicaSettings) -> Replica:

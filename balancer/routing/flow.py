@@ -239,10 +239,7 @@ class FlowController:
             tenant = klass.tenants.get(ticket.tenant) or self._tenant(klass, ticket.tenant, now)
             tenant.running += 1
             ticket.share = tenant
-            age = now - tenant.at
-            attained = tenant.attained * math.exp(-age / self.fairness_window_s) if age > 0 else tenant.attained
-            tenant.attained = attained + ticket.cost / tenant.weight
-            tenant.at = now
+            self._charge(tenant, ticket, now)
             return GO, NOTHING, NOTHING
         displaced = self._enqueue(ticket, now, front=False)
         return WAIT, self.pump(now), displaced
@@ -276,9 +273,7 @@ class FlowController:
             if ticket.reserved:
                 self._unreserve(ticket)
             self.in_flight -= 1
-            share, ticket.share = ticket.share, None
-            if share is not None:
-                share.running -= 1
+            self._ended(ticket)
             self._completions.append(now)
         elif ticket.state == QUEUED:
             self._remove(ticket, now)

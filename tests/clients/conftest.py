@@ -3,13 +3,15 @@ word-level tokenizer built from aiperf's corpus, and the replicas' own prompt co
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, ExitStack, asynccontextmanager
 from pathlib import Path
 
 import aiohttp
 import pytest
 
+from loadtest.client.runner import run_load
+from loadtest.client.workloads import WorkRequest
 from loadtest.clients.aiperf import CORPUS, VENV, word_tokenizer
 from loadtest.replica.launch import ReplicaProcess
 from tests.conftest import make_settings, run_balancer
@@ -51,3 +53,23 @@ async def prompt_counters(replicas: list[ReplicaProcess]) -> tuple[int, int]:
             prompt += engine["prompt_tokens"]
             cached += engine["cached_prompt_tokens"]
     return prompt, cached
+
+
+def cache_reads(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The share of the prompt tokens between two `prompt_counters` served from cache."""
+    return (after[1] - before[1]) / (after[0] - before[0])
+
+
+async def harness_cache_reads(url: str, replicas: list[ReplicaProcess], requests: Sequence[WorkRequest]) -> float:
+    """kvlb's own harness sends `requests` through kvlb: the replicas' cache reads over them."""
+    before = await prompt_counters(replicas)
+    records, _ = await run_load(url, requests, model=MODEL, time_scale=TIME_SCALE, timeout_s=60, progress=False)
+    after = await prompt_counters(replicas)
+    assert all(r.ok for r in records)
+    return cache_reads(before, after)
+
+
+def assert_reads_as_harness(client: str, client_reads: float, harness_reads: float) -> None:
+    print(f"cache reads: {client} {client_reads:.3f}, kvlb's harness {harness_reads:.3f}")
+    assert client_reads > 0.5
+    assert abs(client_reads - harness_reads) <= 0.1 * harness_reads

@@ -10,10 +10,16 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from loadtest.client.runner import run_load
 from loadtest.client.workloads import load_workload
 from loadtest.clients.aiperf import aiperf_bin, metric, profile
-from tests.clients.conftest import MODEL, TIME_SCALE, fleet, prompt_counters
+from tests.clients.conftest import (
+    MODEL,
+    assert_reads_as_harness,
+    cache_reads,
+    fleet,
+    harness_cache_reads,
+    prompt_counters,
+)
 
 pytestmark = [
     pytest.mark.clients,
@@ -66,21 +72,14 @@ async def test_a_shared_prefix_run_resets_the_caches_and_reads_them_as_kvlbs_har
         # The replicas' count is the client's plus the chat template's: one per message, and one.
         for record in summary["records"]:
             assert metric(record, "usage_prompt_tokens") == metric(record, "input_sequence_length") + 4
-        aiperf_reads = (after[1] - before[1]) / (after[0] - before[0])
+        aiperf_reads = cache_reads(before, after)
 
         # The same bodies in the same order through kvlb's own harness, on caches reset again.
         async with aiohttp.ClientSession() as http, http.post(url + "/reset_prefix_cache") as resp:
             assert resp.status == 200
         workload = load_workload(f"payloads:{tmp_path / 'aiperf' / 'inputs.json'},repeat={rounds},rate=20")
-        before = await prompt_counters(replicas)
-        records, _ = await run_load(url, workload.requests, model=MODEL, time_scale=TIME_SCALE, timeout_s=60,
-                                    progress=False)
-        after = await prompt_counters(replicas)
-    assert all(r.ok for r in records)
-    harness_reads = (after[1] - before[1]) / (after[0] - before[0])
-    print(f"cache reads: aiperf {aiperf_reads:.3f}, kvlb's harness {harness_reads:.3f}")
-    assert aiperf_reads > 0.5
-    assert abs(aiperf_reads - harness_reads) <= 0.1 * harness_reads
+        harness_reads = await harness_cache_reads(url, replicas, workload.requests)
+    assert_reads_as_harness("aiperf", aiperf_reads, harness_reads)
 
 
 async def test_a_multi_turn_run_is_served_whole(tokenizer: Path, tmp_path: Path) -> None:

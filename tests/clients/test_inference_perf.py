@@ -10,10 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.client.runner import run_load
 from loadtest.client.workloads import load_workload
 from loadtest.clients.inference_perf import inference_perf_bin, run
-from tests.clients.conftest import MODEL, TIME_SCALE, fleet, prompt_counters
+from tests.clients.conftest import (
+    MODEL,
+    assert_reads_as_harness,
+    cache_reads,
+    fleet,
+    harness_cache_reads,
+    prompt_counters,
+)
 
 pytestmark = [
     pytest.mark.clients,
@@ -62,22 +68,15 @@ async def test_a_shared_prefix_run_reads_the_caches_as_kvlbs_harness_does(tokeni
         after = await prompt_counters(replicas)
         successes = assert_clean(summary, groups * per_group)
         client_reads = successes["prompt_tokens"]["cached"] / successes["prompt_tokens"]["total"]
-        replica_reads = (after[1] - before[1]) / (after[0] - before[0])
+        replica_reads = cache_reads(before, after)
         assert abs(client_reads - replica_reads) < 0.01  # what it read of usage is what the replicas did
 
     # kvlb's harness, the same shape, on a fresh fleet.
     workload = load_workload(f"shared-prefix,groups={groups},prompts_per_group={per_group},"
                              f"system_tokens={system},question_tokens={question},output_tokens=16,rate=16")
     async with fleet() as (url, replicas):
-        before = await prompt_counters(replicas)
-        records, _ = await run_load(url, workload.requests, model=MODEL, time_scale=TIME_SCALE, timeout_s=60,
-                                    progress=False)
-        after = await prompt_counters(replicas)
-    assert all(r.ok for r in records)
-    harness_reads = (after[1] - before[1]) / (after[0] - before[0])
-    print(f"cache reads: inference-perf {replica_reads:.3f}, kvlb's harness {harness_reads:.3f}")
-    assert replica_reads > 0.5
-    assert abs(replica_reads - harness_reads) <= 0.1 * harness_reads
+        harness_reads = await harness_cache_reads(url, replicas, workload.requests)
+    assert_reads_as_harness("inference-perf", replica_reads, harness_reads)
 
 
 async def test_a_multi_turn_run_is_served_whole(tokenizer: Path, tmp_path: Path) -> None:
@@ -93,4 +92,4 @@ async def test_a_multi_turn_run_is_served_whole(tokenizer: Path, tmp_path: Path)
             rate=4, duration_s=4)
         after = await prompt_counters(replicas)
     assert_clean(summary, 16)
-    assert (after[1] - before[1]) / (after[0] - before[0]) > 0.5
+    assert cache_reads(before, after) > 0.5
