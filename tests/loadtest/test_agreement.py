@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.compare.agreement import HIT_TOLERANCE, TTFT_TOLERANCE, measure
+from loadtest.compare.agreement import HIT_TOLERANCE, RANDOM_SEEDS, TTFT_TOLERANCE, measure
 
 TRACE_HEAD = Path(__file__).resolve().parents[1] / "data" / "mooncake_head300.jsonl"
 
@@ -18,7 +18,10 @@ TRACE_HEAD = Path(__file__).resolve().parents[1] / "data" / "mooncake_head300.js
     ("multi-turn,sessions=16,turns=4,system_tokens=6000,user_tokens=200,output_tokens=64,think_s=4,rate=2", "random"),
 ])
 async def test_live_and_offline_agree(spec, policy):
-    agreement = await measure(spec, policy, replicas=4, time_scale=2.0)
+    # A random policy's live run draws in its own arrival order, so it is one more sample of
+    # the offline runs' spread (0.25-0.38 over 12 seeds here), not a replay of seed 0.
+    agreement = await measure(spec, policy, replicas=4, time_scale=2.0,
+                              offline_seeds=RANDOM_SEEDS if policy == "random" else 1)
     assert agreement.live_errors == agreement.offline_errors == 0
     assert abs(agreement.hit_gap) <= HIT_TOLERANCE, agreement
     # Request by request: on a slice this small the p50 of the whole distribution can sit in
