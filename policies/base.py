@@ -82,12 +82,13 @@ class ReplicaView(Protocol):
 
     @property
     def ttft_samples(self) -> int:
-        """Answers that have taught `ttft_scale` (0: nothing known of the replica yet)."""
+        """How much has taught `ttft_scale`, in answers (0: nothing known of the replica
+        yet); a change confirmed by a run of answers counts as full evidence."""
         ...
 
     @property
     def itl_samples(self) -> int:
-        """Answers that have taught `itl_scale`."""
+        """The same for `itl_scale`."""
         ...
 
     @property

@@ -86,6 +86,9 @@ class Journey:
     model_ttft_ms: float = 0.0  # the policy's predicted time to first token before the fit, if any
     model_itl_ms: float = 0.0  # and its predicted time per output token
     first_byte_at: float | None = None  # when the attempt's answer started, for the decode fit
+    # The attempt found its replica's prefill queue empty: its answer may confirm a change of
+    # the replica's speed (latency.py).
+    alone: bool = False
     max_attempts: int = 3
     _next: int = 0
 
@@ -285,6 +288,7 @@ class RoutingCore:
         journey.model_ttft_ms = terms.get(MODEL_TTFT_TERM, 0.0)
         journey.model_itl_ms = terms.get(MODEL_ITL_TERM, 0.0)
         journey.first_byte_at = None
+        journey.alone = replica.prefill_tokens_queued == 0
         context = journey.context = journey.features.prompt_tokens
         replica.context_tokens += context
         if journey.features.adapter is not None:
@@ -314,7 +318,7 @@ class RoutingCore:
             return None
         fit = replica.latency
         prior = self._median_fit(False) if fit.samples == 0 else None
-        return fit.observe((now - journey.sent_at) * 1000.0, journey.model_ttft_ms, prior)
+        return fit.observe((now - journey.sent_at) * 1000.0, journey.model_ttft_ms, prior, journey.alone)
 
     def learn(self, journey: Journey, prompt_tokens: int, cached_tokens: int | None) -> Lesson | None:
         """The replica's own token figures for this prompt, against the prediction; at most

@@ -73,11 +73,11 @@ class Replica:
 
     @property
     def ttft_samples(self) -> int:
-        return self.latency.samples
+        return self.latency.evidence
 
     @property
     def itl_samples(self) -> int:
-        return self.decode_latency.samples
+        return self.decode_latency.evidence
 
     def serves(self, model: str | None) -> bool:
         if model is None:

@@ -11,7 +11,7 @@ from balancer.config import ReplicaSettings, RoutingSettings
 from balancer.routing.admission import AdmissionQueue
 from balancer.routing.core import CoreSettings, RoutingCore
 from balancer.routing.fleet import Fleet
-from balancer.routing.latency import MAX_SCALE, MIN_SCALE, LatencyFit
+from balancer.routing.latency import CONFIRMED_EVIDENCE, MAX_SCALE, MIN_SCALE, SHIFT_RUN, LatencyFit
 from balancer.routing.tracker import CacheTracker
 from policies.base import RequestFeatures
 from policies.registry import make_policy
@@ -45,6 +45,48 @@ def test_one_outlier_moves_the_fit_by_a_bounded_step() -> None:
     for _ in range(10):
         fit.observe(100.0, 100.0)
     assert fit.scale < 1.1
+
+
+def test_a_run_of_answers_far_off_alone_confirms_a_change_at_once() -> None:
+    # A replica that turns five times slower: three answers to requests that found its
+    # queue empty are a change, not outliers, and the fit counts as fully taught.
+    fit = LatencyFit()
+    for _ in range(30):
+        fit.observe(100.0, 100.0, confirmable=True)
+    for _ in range(SHIFT_RUN - 1):
+        fit.observe(500.0, 100.0, confirmable=True)
+    assert fit.scale < 1.5 ** 2 and fit.evidence == fit.samples
+    fit.observe(500.0, 100.0, confirmable=True)
+    assert fit.scale == pytest.approx(5.0, rel=0.01)
+    assert fit.evidence >= CONFIRMED_EVIDENCE
+    # And back: the replica recovers, and a run the other way brings the fit back to 1.
+    for _ in range(SHIFT_RUN):
+        fit.observe(100.0, 100.0, confirmable=True)
+    assert fit.scale == pytest.approx(1.0, rel=0.01)
+
+
+def test_a_run_broken_by_an_ordinary_answer_or_taught_under_a_queue_confirms_nothing() -> None:
+    broken, queued = LatencyFit(), LatencyFit()
+    for i in range(3 * SHIFT_RUN):
+        ordinary = i % SHIFT_RUN == SHIFT_RUN - 1
+        broken.observe(100.0 if ordinary else 60_000.0, 100.0, confirmable=True)
+        if i < SHIFT_RUN:
+            queued.observe(500.0, 100.0, confirmable=False)
+    # Six outliers in all, never three in a row: six bounded steps at most, not a jump to 600x.
+    assert broken.scale <= 1.5 ** 6 and broken.evidence == broken.samples
+    # Taught under a queue, the same run is three bounded steps (2.2x), not a jump to 5x.
+    assert queued.scale < 2.5 and queued.evidence == queued.samples
+
+
+def test_only_an_attempt_that_found_its_replicas_prefill_queue_empty_may_confirm() -> None:
+    now = [0.0]
+    core, fleet = _core(now)
+    first = core.plan("/v1/completions", RequestFeatures("/v1/completions", stream=True), PROMPT, fleet.replicas)
+    core.next_attempt(first, 0.0)
+    second = core.plan("/v1/completions", RequestFeatures("/v1/completions", stream=True), PROMPT + "x",
+                       fleet.replicas)
+    core.next_attempt(second, 0.0)
+    assert first.alone and not second.alone
 
 
 def test_the_multiplier_stays_inside_its_bounds() -> None:
