@@ -156,6 +156,11 @@ class ReplicaSettings:
     adapters: tuple[str, ...] = ()
     max_loras: int = _checked(1, _at_least(1))
     lora_load_ms: float = _checked(100.0, _rule(lambda v: v >= 0, "must be >= 0, got {!r}"))
+    # Prefill/decode disaggregation (docs/disaggregation.md): which half of a request it
+    # serves, and, for a prefill server speaking SGLang's protocol, the port of its
+    # bootstrap server (SGLang's --disaggregation-bootstrap-port) that decode servers reach.
+    role: str = _checked("both", _one_of("both", "prefill", "decode"))
+    bootstrap_port: int | None = _checked(None, _port)
 
     def __post_init__(self) -> None:
         if self.name is None:
@@ -463,6 +468,27 @@ class AdapterSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class DisaggregationSettings:
+    """How a request is split between a prefill and a decode replica, when a model's fleet
+    has both roles (balancer/routing/disaggregation.py, docs/disaggregation.md)."""
+
+    # The engines' wire protocol: SGLang's bootstrap room sent to both at once, or vLLM's
+    # kv_transfer_params handed from the prefill answer to the decode request.
+    protocol: str = _checked("sglang", _one_of("sglang", "vllm"))
+    # A prompt whose uncached part on the best prefill replica is shorter runs whole on one
+    # replica that can (role both; with vLLM, a decode replica too): its prefill costs less
+    # than the transfer and the second hop.
+    colocate_below_tokens: int = _checked(512, _at_least(0))
+    # KV cache bytes per token of the model (llama-3.1-8b in bf16: 2 x 32 layers x 8 KV
+    # heads x 128 x 2 bytes), and the link between a pair by how close it is (labels
+    # `host`, then `zone`): what a transfer costs the decode replica's first token.
+    kv_bytes_per_token: int = _checked(131072, _at_least(1))
+    same_host_gbps: float = _checked(400.0, _positive)
+    same_zone_gbps: float = _checked(100.0, _positive)
+    other_gbps: float = _checked(25.0, _positive)
+
+
+@dataclass(frozen=True, slots=True)
 class FlowControlSettings:
     """Who waits, in which order, and who is refused once the fleet is saturated
     (balancer/routing/flow.py). Off: one first-come-first-served line (`limits`)."""
@@ -520,6 +546,7 @@ class Settings:
     kv_events: KvEventsSettings = _section(KvEventsSettings)
     flow_control: FlowControlSettings = _section(FlowControlSettings, _flow_classes_known)
     adapters: AdapterSettings = _section(AdapterSettings)
+    disaggregation: DisaggregationSettings = _section(DisaggregationSettings)
     per_model: tuple[ModelSettings, ...] = _checked((), check=_unique("model"))
 
 

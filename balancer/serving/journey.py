@@ -20,7 +20,15 @@ from balancer.protocol import (
     TENANT_HEADER,
     TTFT_SLO_HEADER,
 )
-from balancer.routing.core import RoutingCore
+from balancer.routing.core import DEFAULT_OUTPUT_TOKENS, Journey, RoutingCore
+from balancer.routing.disaggregation import (
+    COLOCATED_NO_PAIR,
+    SPLIT,
+    colocate,
+    has_roles,
+    pools,
+    rank_decode,
+)
 from balancer.routing.fleet import FULL, Replica
 from balancer.routing.flow import Ticket
 from balancer.routing.precise import PromptTokens, RemotePrompt
@@ -28,6 +36,7 @@ from balancer.routing.request import parse_request
 from balancer.serving.access_log import access_log, log_access
 from balancer.serving.adapter_loader import AdapterLoader
 from balancer.serving.admission import Admission
+from balancer.serving.disaggregated import PairForwarder
 from balancer.serving.flow import FlowGate
 from balancer.serving.metrics import NO_REPLICA, Metrics
 from balancer.serving.proxy import Outcome, Proxy, end_broken_response
@@ -63,6 +72,7 @@ class Forwarder:
         self.fleet = core.fleet
         self.admission = admission
         self.proxy = proxy
+        self.pairs = PairForwarder(proxy, settings.disaggregation.protocol)
         self.metrics = metrics
         self.ids = ids
         self.prompt_tokens = prompt_tokens
@@ -229,7 +239,6 @@ class Forwarder:
 
     async def _forward(self, request: Request, route: str, request_id: str, outcome: Outcome,
                        features: RequestFeatures, parse_s: float, ticket: Ticket | None) -> None:
-        clock = time.perf_counter
         allowed = request.header(self._allowed_header)
         regions = allowed_regions(allowed) if allowed is not None else None
         if self.adapters is not None and features.model in self.adapters:
@@ -244,20 +253,69 @@ class Forwarder:
                 prompt = await tokenize_remotely(
                     session, candidates[0], features.prompt, authorization, self.settings.kv_events.tokenize_timeout_s
                 )
-        rank_began = clock()
+        if has_roles(candidates):
+            await self._forward_split(request, route, request_id, outcome, features, prompt, candidates,
+                                      parse_s, ticket)
+            return
+        journey, extra = self._plan(request, route, request_id, outcome, features, prompt, candidates, parse_s)
+        self._placed(ticket)
+        await self.proxy.forward(request, journey, request_id, outcome, extra)
+
+    def _plan(self, request: Request, route: str, request_id: str, outcome: Outcome, features: RequestFeatures,
+              prompt: str | Sequence[int] | None, candidates: Sequence[Replica],
+              parse_s: float) -> tuple[Journey, list[tuple[str, str]] | None]:
+        """The core's decision, timed, traced and explained: the journey, and the route header."""
+        rank_began = time.perf_counter()
         journey = self.core.plan(route, features, prompt, candidates, request.header(self._region_header))
-        self.metrics.observe_decision(route, parse_s + clock() - rank_began)
+        self.metrics.observe_decision(route, parse_s + time.perf_counter() - rank_began)
         if outcome.trace is not None:
             outcome.trace.decision(features.model, len(candidates), journey.ranking)
         ranking = journey.ranking
         explained = explain(ranking) if self._route_header or log.isEnabledFor(logging.DEBUG) else None
         if explained is not None:
             log.debug("request %s %s model %s: %s", request_id, route, features.model, explained)
-        extra = [(ROUTE_HEADER, explained)] if self._route_header and explained else None
+        return journey, [(ROUTE_HEADER, explained)] if self._route_header and explained else None
+
+    def _placed(self, ticket: Ticket | None) -> None:
         if ticket is not None and ticket.reserved:
             assert self.core.flow is not None
             self.core.flow.placed(ticket)  # its first attempt takes the slot it was given
-        await self.proxy.forward(request, journey, request_id, outcome, extra)
+
+    async def _forward_split(self, request: Request, route: str, request_id: str, outcome: Outcome,
+                             features: RequestFeatures, prompt: str | Sequence[int] | None,
+                             candidates: Sequence[Replica], parse_s: float, ticket: Ticket | None) -> None:
+        """A fleet with prefill and decode roles: a pair, or one replica when a pair is not
+        worth it or there is none (balancer/routing/disaggregation.py)."""
+        settings = self.settings.disaggregation
+        split = pools(candidates, settings.protocol)
+        why = COLOCATED_NO_PAIR
+        if split.split:
+            journey, extra = self._plan(request, route, request_id, outcome, features, prompt, split.prefill, parse_s)
+            best = journey.ranking[0]
+            prompt_tokens = journey.features.prompt_tokens
+            why = colocate(split, prompt_tokens, best.terms.get("cached", 0.0), settings)
+        if why is not None:
+            self.metrics.disaggregation[why] += 1
+            if not split.whole:
+                raise ClientError(503, "no replica can serve this request: its model's prefill or decode "
+                                       "replicas are all unavailable", "no_replica_pair", type_="upstream_error")
+            journey, extra = self._plan(request, route, request_id, outcome, features, prompt, split.whole, parse_s)
+            self._placed(ticket)
+            await self.proxy.forward(request, journey, request_id, outcome, extra)
+            return
+        self.metrics.disaggregation[SPLIT] += 1
+        planned = journey.features
+        output = planned.expected_output_tokens
+        if output is None:
+            output = float(planned.max_tokens) if planned.max_tokens is not None else DEFAULT_OUTPUT_TOKENS
+        rand = self.core.policy_for(features.model).rng.random
+        decode_ranking = rank_decode(split.decode, best.replica, prompt_tokens, output, settings,
+                                     [rand() for _ in split.decode])
+        decode = Journey(planned, decode_ranking, None, max_attempts=journey.max_attempts)
+        if extra is not None:
+            extra = [(ROUTE_HEADER, f"prefill: {extra[0][1]}; decode: {explain(decode_ranking)}")]
+        self._placed(ticket)
+        await self.pairs.forward(request, journey, decode, request_id, outcome, extra)
 
 
 def slo_seconds(header: str) -> float:

@@ -89,6 +89,9 @@ class Metrics(Collector):
         # Requests the HTTP wire refused while reading them (limits, framing, timeouts), by
         # error code; the servers count into it (balancer/wire/server.py).
         self.client_refusals: Counter[str] = Counter()
+        # Requests of a fleet with prefill and decode roles, by how they were served
+        # (balancer/routing/disaggregation.py: split, or whole on one replica and why).
+        self.disaggregation: Counter[str] = Counter()
         self.prompt_tokens: defaultdict[str, int] = defaultdict(int)
         self.predicted_tokens: defaultdict[str, int] = defaultdict(int)
         self.actual_tokens: defaultdict[str, int] = defaultdict(int)
@@ -234,6 +237,16 @@ class Metrics(Collector):
         for reason, count in sorted(self.client_refusals.items()):
             refusals.add_metric([reason], count)
         yield refusals
+
+        split = CounterMetricFamily(
+            "kvlb_disaggregation",
+            "Requests to a fleet with prefill and decode roles, by outcome: disaggregated, "
+            "colocated_cached (too little uncached prompt for a transfer) or colocated_no_pair",
+            labels=["outcome"],
+        )
+        for reason, count in sorted(self.disaggregation.items()):
+            split.add_metric([reason], count)
+        yield split
 
         prompt = CounterMetricFamily(
             "kvlb_prefix_prompt_tokens",

@@ -1,0 +1,120 @@
+"""Prefill/decode disaggregation: which pair of replicas serves a request, or whether one does.
+
+A fleet whose replicas carry roles (`role: prefill`, `role: decode`, or `both`) splits a
+request in two: a prefill replica computes the prompt's KV cache and hands it to a decode
+replica, which streams the answer. The prefill replica is chosen as any request's replica
+is, by the model's policy over the prefill pool (its cache hits, its queue: the prefix index
+belongs to the prefill pool). The decode replica is chosen here, by what the request will
+cost there: the transfer over the link from the chosen prefill replica (closer is faster:
+same `host` label, then same `zone`), and the decode iterations it shares with the batch
+already decoding there, for its expected output; a replica whose KV memory cannot hold the
+prompt beside what it decodes comes last.
+
+Splitting is not always worth it. A prompt mostly cached on the best prefill replica (or a
+short one) costs less to prefill where it will decode than to transfer; a pool with nothing
+routable leaves no pair. Then the request runs whole on one replica that can serve it alone
+(`both`; with vLLM's protocol a decode replica too, as vLLM's kv_both engines serve plain
+requests), and each outcome is counted. Sans I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from balancer.config import DisaggregationSettings
+from balancer.routing.fleet import Replica
+from policies.base import Choice
+
+PREFILL, DECODE, BOTH = "prefill", "decode", "both"
+
+# The decode engine's iteration model (docs/calibration.md, llama-3.1-8b on an H100): fixed
+# ms of a decode-only iteration, ms per sequence in the batch and per context token.
+DECODE_ITERATION_MS = 8.3
+DECODE_MS_PER_SEQ = 0.009
+DECODE_MS_PER_CONTEXT_TOKEN = 4.39e-5
+# What a decode replica without room for the prompt's KV costs on top: it would queue or
+# preempt, for an unknown time.
+NO_ROOM_MS = 1e6
+
+# Outcomes, for the metric kvlb_disaggregation_total{outcome}.
+SPLIT = "disaggregated"
+COLOCATED_CACHED = "colocated_cached"  # too little uncached prompt to be worth a transfer
+COLOCATED_NO_PAIR = "colocated_no_pair"  # one pool had nothing routable
+SINGLE_POOL = "single_pool"  # the fleet has no roles for this model: ordinary routing
+
+
+@dataclass(frozen=True, slots=True)
+class Pools:
+    prefill: list[Replica]
+    decode: list[Replica]
+    # Replicas that can serve a request alone.
+    whole: list[Replica]
+
+    @property
+    def split(self) -> bool:
+        return bool(self.prefill) and bool(self.decode)
+
+
+def has_roles(replicas: Sequence[Replica]) -> bool:
+    return any(r.settings.role != BOTH for r in replicas)
+
+
+def pools(candidates: Sequence[Replica], protocol: str) -> Pools:
+    prefill = [r for r in candidates if r.settings.role == PREFILL]
+    decode = [r for r in candidates if r.settings.role == DECODE]
+    whole = [r for r in candidates if r.settings.role == BOTH]
+    if protocol == "vllm":
+        whole += decode
+    return Pools(prefill, decode, whole)
+
+
+def colocate(pools_: Pools, prompt_tokens: int, best_cached: float, settings: DisaggregationSettings) -> str | None:
+    """The reason to run the request on one replica, or None to split it."""
+    if not pools_.split:
+        return COLOCATED_NO_PAIR
+    if pools_.whole and prompt_tokens - best_cached < settings.colocate_below_tokens:
+        return COLOCATED_CACHED
+    return None
+
+
+def link_gbps(a: Replica, b: Replica, settings: DisaggregationSettings) -> float:
+    host_a, host_b = a.labels.get("host"), b.labels.get("host")
+    if host_a is not None and host_a == host_b:
+        return settings.same_host_gbps
+    zone_a, zone_b = a.labels.get("zone"), b.labels.get("zone")
+    if zone_a is not None and zone_a == zone_b:
+        return settings.same_zone_gbps
+    return settings.other_gbps
+
+
+def transfer_ms(prompt_tokens: int, gbps: float, settings: DisaggregationSettings) -> float:
+    return prompt_tokens * settings.kv_bytes_per_token * 8 / (gbps * 1e6)
+
+
+def rank_decode(
+    decode: Sequence[Replica],
+    prefill: Replica,
+    prompt_tokens: int,
+    output_tokens: float,
+    settings: DisaggregationSettings,
+    jitter: Sequence[float],
+) -> list[Choice]:
+    """The decode pool, cheapest first, each with the terms that put it there. `jitter`, one
+    number in [0, 1) per replica, breaks ties between equal replicas at random."""
+    keyed = []
+    for i, r in enumerate(decode):
+        moved = transfer_ms(prompt_tokens, link_gbps(prefill, r, settings), settings)
+        seqs, context = r.decoding, r.context_tokens
+        # Its own tokens in that batch, and the slowdown it adds to every sequence beside it.
+        per_token = (DECODE_ITERATION_MS + DECODE_MS_PER_SEQ * (seqs + 1)
+                     + DECODE_MS_PER_CONTEXT_TOKEN * (context + prompt_tokens + output_tokens / 2))
+        added = seqs * (DECODE_MS_PER_SEQ + DECODE_MS_PER_CONTEXT_TOKEN * (prompt_tokens + output_tokens / 2))
+        decode_ms = output_tokens * (per_token + added) / r.weight
+        capacity = r.kv_capacity_tokens
+        room = 0.0 if capacity is None or context + prompt_tokens + output_tokens <= capacity else NO_ROOM_MS
+        cost = moved + decode_ms + room
+        terms = {"transfer_ms": moved, "decode_ms": decode_ms, "decoding": float(seqs), "cost": cost}
+        keyed.append((cost * (1.0 + 0.01 * jitter[i]), i, Choice(r, terms)))
+    keyed.sort(key=lambda k: (k[0], k[1]))
+    return [c for _, _, c in keyed]

@@ -1,0 +1,171 @@
+"""Send one request's two halves to a prefill and a decode replica, and relay the decode answer.
+
+Each attempt is a pair: the prefill journey's next replica and the decode journey's next.
+Until the client has seen a byte, a failure of either half (no connection, no answer in
+time, 502/503, a prefill that fails) ends the pair and the next attempt sends both halves
+again to the next pair, with a fresh room or transfer: a half is never resent on its own,
+since the other half's state went with the failed pair. What counts against a replica is
+what it did, as in `proxy.py`. The prefill answer never reaches the client; it is read to
+its end (bounded), and it is what ends the prefill replica's part of the load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from balancer.errors import ClientError
+from balancer.routing.core import Journey
+from balancer.routing.fleet import Replica
+from balancer.serving import pd_protocol
+from balancer.serving.proxy import RETRY_STATUSES, Outcome, Proxy, upstream_headers
+from balancer.serving.usage import counts_of, learnable, parse_json
+from balancer.wire.client import InvalidResponse, UpstreamError
+from balancer.wire.server import Headers, Request
+
+log = logging.getLogger("kvlb.proxy")
+
+# A prefill answer is one token: anything bigger is not one.
+PREFILL_ANSWER_LIMIT = 1 << 20
+
+
+class _PairFailed(Exception):
+    def __init__(self, side: str, replica: Replica, kind: str) -> None:
+        super().__init__(f"{side} {replica.name}: {kind}")
+        self.side, self.replica, self.kind = side, replica, kind
+
+
+class PairForwarder:
+    def __init__(self, proxy: Proxy, protocol: str) -> None:
+        self.proxy = proxy
+        self.protocol = protocol
+
+    async def forward(self, request: Request, prefill: Journey, decode: Journey, request_id: str,
+                      outcome: Outcome, extra_headers: Headers | None = None) -> None:
+        proxy = self.proxy
+        core = proxy.core
+        loop = asyncio.get_running_loop()
+        headers = upstream_headers(request, request_id, proxy.id_header)
+        if proxy.replica_authorization is not None:
+            headers = [(n, v) for n, v in headers if n.lower() != "authorization"]
+            headers.append(("Authorization", proxy.replica_authorization))
+        data = pd_protocol.parse_object(request.body)
+        pd_protocol.refuse_reserved(data, self.protocol)
+        failures: list[str] = []
+        outcome.attempts = decode.attempts
+        while True:
+            p = core.next_attempt(prefill, loop.time())
+            if p is None:
+                break
+            d = core.next_attempt(decode, loop.time())
+            if d is None:
+                core.end_attempt(prefill, answered=False)
+                break
+            outcome.replica = d.name
+            answered = False
+            try:
+                answered = await self._pair(request, data, headers, prefill, decode, p, d,
+                                            request_id, outcome, extra_headers)
+                return
+            except _PairFailed as failed:
+                failures.append(str(failed))
+                journey = prefill if failed.side == "prefill" else decode
+                proxy.metrics.count_attempt(failed.replica.name, failed.kind)
+                if failed.kind != "http_429" and core.failed(journey, loop.time()):
+                    proxy._ejected(failed.replica, failed.kind)
+            finally:
+                if prefill.replica is not None:
+                    core.end_attempt(prefill, answered=answered)
+                core.end_attempt(decode, answered=answered)
+        raise ClientError(502, f"all {len(failures)} pair(s) failed: " + "; ".join(failures),
+                          "upstream_failed", type_="upstream_error")
+
+    async def _pair(self, request: Request, data: dict, headers: Headers, prefill: Journey, decode: Journey,
+                    p: Replica, d: Replica, request_id: str, outcome: Outcome,
+                    extra_headers: Headers | None) -> bool:
+        if self.protocol == "sglang":
+            port = p.settings.bootstrap_port
+            if port is None:
+                raise _PairFailed("prefill", p, "no_bootstrap_port")
+            body = pd_protocol.sglang_body(request.body, p.url, port, pd_protocol.new_room())
+            prefill_leg = asyncio.ensure_future(self._prefill_leg(request, headers, body, prefill, p))
+            try:
+                return await self._decode_leg(request, headers, body, decode, d, request_id, outcome,
+                                              extra_headers, prefill_leg)
+            finally:
+                if not prefill_leg.done():
+                    prefill_leg.cancel()
+                with contextlib.suppress(BaseException):
+                    await prefill_leg
+        answer = await self._prefill_leg(request, headers, pd_protocol.vllm_prefill_body(data), prefill, p)
+        params = pd_protocol.vllm_transfer_params(answer)
+        if params is None:
+            raise _PairFailed("prefill", p, "no_kv_transfer_params")
+        body = pd_protocol.vllm_decode_body(request.body, params)
+        return await self._decode_leg(request, headers, body, decode, d, request_id, outcome, extra_headers, None)
+
+    async def _prefill_leg(self, request: Request, headers: Headers, body: bytes, journey: Journey,
+                           replica: Replica) -> bytes:
+        proxy = self.proxy
+        timeouts = proxy.settings.timeouts
+        try:
+            resp = await proxy.pool.request(replica.url, request.method, request.target, headers, body,
+                                            timeouts.first_byte_s)
+        except (TimeoutError, OSError) as exc:
+            kind = ("timeout" if isinstance(exc, TimeoutError)
+                    else "invalid_response" if isinstance(exc, InvalidResponse) else "connect_error")
+            raise _PairFailed("prefill", replica, kind) from None
+        try:
+            if resp.status != 200:
+                raise _PairFailed("prefill", replica, f"http_{resp.status}")
+            try:
+                async with asyncio.timeout(timeouts.stream_idle_s):
+                    answer = await resp.read(PREFILL_ANSWER_LIMIT)
+            except (UpstreamError, TimeoutError):
+                raise _PairFailed("prefill", replica, "broken_body") from None
+        finally:
+            resp.close()
+        now = asyncio.get_running_loop().time()
+        proxy.core.first_byte(journey, now)
+        if journey.routed is not None and not answer.startswith(b"data:"):
+            proxy._learn(journey, replica, learnable(counts_of(parse_json(answer))))
+        proxy.metrics.count_attempt(replica.name, "ok")
+        return answer
+
+    async def _decode_leg(self, request: Request, headers: Headers, body: bytes, journey: Journey, replica: Replica,
+                          request_id: str, outcome: Outcome, extra_headers: Headers | None,
+                          prefill_leg: asyncio.Future[bytes] | None) -> bool:
+        proxy = self.proxy
+        sent = asyncio.ensure_future(proxy.pool.request(replica.url, request.method, request.target, headers, body,
+                                                        proxy.settings.timeouts.first_byte_s))
+        try:
+            if prefill_leg is not None:
+                # Both halves at once: a prefill that fails first ends the pair without
+                # waiting out the decode server's own wait for the KV.
+                await asyncio.wait([sent, prefill_leg], return_when=asyncio.FIRST_COMPLETED)
+                if prefill_leg.done() and prefill_leg.exception() is not None:
+                    raise prefill_leg.exception()  # type: ignore[misc]
+            resp = await sent
+        except (TimeoutError, OSError) as exc:
+            kind = ("timeout" if isinstance(exc, TimeoutError)
+                    else "invalid_response" if isinstance(exc, InvalidResponse) else "connect_error")
+            raise _PairFailed("decode", replica, kind) from None
+        finally:
+            if not sent.done():
+                sent.cancel()
+                with contextlib.suppress(BaseException):
+                    await sent
+        try:
+            if resp.status in RETRY_STATUSES:
+                raise _PairFailed("decode", replica, f"http_{resp.status}")
+            outcome.status = resp.status
+            outcome.answered = True
+            fault = await proxy._relay(request, resp, replica, journey, request_id, outcome, extra_headers)
+            if fault is not None:
+                proxy._failed(journey, fault, asyncio.get_running_loop().time())
+            else:
+                proxy.metrics.count_attempt(replica.name, "ok")
+            return True
+        finally:
+            resp.close()
