@@ -23,8 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from balancer.config import DisaggregationSettings
+from balancer.errors import ClientError
+from balancer.routing.core import DEFAULT_OUTPUT_TOKENS, Journey, RoutingCore
 from balancer.routing.fleet import Replica
-from policies.base import Choice
+from policies.base import Choice, RequestFeatures
 
 PREFILL, DECODE, BOTH = "prefill", "decode", "both"
 
@@ -118,3 +120,48 @@ def rank_decode(
         keyed.append((cost * (1.0 + 0.01 * jitter[i]), i, Choice(r, terms)))
     keyed.sort(key=lambda k: (k[0], k[1]))
     return [c for _, _, c in keyed]
+
+
+@dataclass(frozen=True, slots=True)
+class SplitPlan:
+    """What the core decided for a request to a fleet with roles: `journey` over the prefill
+    pool and `decode` over the decode pool when split; `journey` over the replicas that can
+    serve it whole, and `decode` None, when not. `outcome` names which, for the metric."""
+
+    journey: Journey
+    decode: Journey | None
+    outcome: str
+
+
+def plan_split(
+    core: RoutingCore,
+    route: str,
+    features: RequestFeatures,
+    prompt: str | Sequence[int] | None,
+    candidates: Sequence[Replica],
+    settings: DisaggregationSettings,
+    origin_region: str | None = None,
+) -> SplitPlan:
+    """The pair, or one replica, for a request whose candidates carry roles; the same code
+    in `kvlb serve` and the offline simulator. Raises ClientError when neither a pair nor a
+    replica that serves alone is routable."""
+    split = pools(candidates, settings.protocol)
+    why = COLOCATED_NO_PAIR
+    journey = None
+    if split.split:
+        journey = core.plan(route, features, prompt, split.prefill, origin_region)
+        why = colocate(split, journey.features.prompt_tokens, journey.ranking[0].terms.get("cached", 0.0), settings)
+    if why is not None:
+        if not split.whole:
+            raise ClientError(503, "no replica can serve this request: its model's prefill or decode "
+                                   "replicas are all unavailable", "no_replica_pair", type_="upstream_error")
+        return SplitPlan(core.plan(route, features, prompt, split.whole, origin_region), None, why)
+    assert journey is not None
+    planned = journey.features
+    output = planned.expected_output_tokens
+    if output is None:
+        output = float(planned.max_tokens) if planned.max_tokens is not None else DEFAULT_OUTPUT_TOKENS
+    rand = core.policy_for(features.model).rng.random
+    ranking = rank_decode(split.decode, journey.ranking[0].replica, planned.prompt_tokens, output, settings,
+                          [rand() for _ in split.decode])
+    return SplitPlan(journey, Journey(planned, ranking, None, max_attempts=journey.max_attempts), SPLIT)

@@ -20,15 +20,8 @@ from balancer.protocol import (
     TENANT_HEADER,
     TTFT_SLO_HEADER,
 )
-from balancer.routing.core import DEFAULT_OUTPUT_TOKENS, Journey, RoutingCore
-from balancer.routing.disaggregation import (
-    COLOCATED_NO_PAIR,
-    SPLIT,
-    colocate,
-    has_roles,
-    pools,
-    rank_decode,
-)
+from balancer.routing.core import Journey, RoutingCore
+from balancer.routing.disaggregation import has_roles, plan_split
 from balancer.routing.fleet import FULL, Replica
 from balancer.routing.flow import Ticket
 from balancer.routing.precise import PromptTokens, RemotePrompt
@@ -286,35 +279,24 @@ class Forwarder:
                              candidates: Sequence[Replica], parse_s: float, ticket: Ticket | None) -> None:
         """A fleet with prefill and decode roles: a pair, or one replica when a pair is not
         worth it or there is none (balancer/routing/disaggregation.py)."""
-        settings = self.settings.disaggregation
-        split = pools(candidates, settings.protocol)
-        why = COLOCATED_NO_PAIR
-        if split.split:
-            journey, extra = self._plan(request, route, request_id, outcome, features, prompt, split.prefill, parse_s)
-            best = journey.ranking[0]
-            prompt_tokens = journey.features.prompt_tokens
-            why = colocate(split, prompt_tokens, best.terms.get("cached", 0.0), settings)
-        if why is not None:
-            self.metrics.disaggregation[why] += 1
-            if not split.whole:
-                raise ClientError(503, "no replica can serve this request: its model's prefill or decode "
-                                       "replicas are all unavailable", "no_replica_pair", type_="upstream_error")
-            journey, extra = self._plan(request, route, request_id, outcome, features, prompt, split.whole, parse_s)
-            self._placed(ticket)
+        rank_began = time.perf_counter()
+        plan = plan_split(self.core, route, features, prompt, candidates, self.settings.disaggregation,
+                          request.header(self._region_header))
+        self.metrics.observe_decision(route, parse_s + time.perf_counter() - rank_began)
+        self.metrics.disaggregation[plan.outcome] += 1
+        journey, decode = plan.journey, plan.decode
+        if outcome.trace is not None:
+            outcome.trace.decision(features.model, len(candidates), journey.ranking)
+        explained = explain(journey.ranking) if self._route_header or log.isEnabledFor(logging.DEBUG) else None
+        if explained is not None and decode is not None:
+            explained = f"prefill: {explained}; decode: {explain(decode.ranking)}"
+        if explained is not None:
+            log.debug("request %s %s model %s: %s", request_id, route, features.model, explained)
+        extra = [(ROUTE_HEADER, explained)] if self._route_header and explained else None
+        self._placed(ticket)
+        if decode is None:
             await self.proxy.forward(request, journey, request_id, outcome, extra)
             return
-        self.metrics.disaggregation[SPLIT] += 1
-        planned = journey.features
-        output = planned.expected_output_tokens
-        if output is None:
-            output = float(planned.max_tokens) if planned.max_tokens is not None else DEFAULT_OUTPUT_TOKENS
-        rand = self.core.policy_for(features.model).rng.random
-        decode_ranking = rank_decode(split.decode, best.replica, prompt_tokens, output, settings,
-                                     [rand() for _ in split.decode])
-        decode = Journey(planned, decode_ranking, None, max_attempts=journey.max_attempts)
-        if extra is not None:
-            extra = [(ROUTE_HEADER, f"prefill: {extra[0][1]}; decode: {explain(decode_ranking)}")]
-        self._placed(ticket)
         await self.pairs.forward(request, journey, decode, request_id, outcome, extra)
 
 
