@@ -476,7 +476,7 @@ class DisaggregationSettings:
     # kv_transfer_params handed from the prefill answer to the decode request.
     protocol: str = _checked("sglang", _one_of("sglang", "vllm"))
     # A prompt whose uncached part on the best prefill replica is shorter runs whole on one
-    # replica that can (role both; with vLLM, a decode replica too): its prefill costs less
+    # replica that can (role both; with vLLM, any replica): its prefill costs less
     # than the transfer and the second hop.
     colocate_below_tokens: int = _checked(512, _at_least(0))
     # KV cache bytes per token of the model (llama-3.1-8b in bf16: 2 x 32 layers x 8 KV

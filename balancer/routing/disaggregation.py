@@ -13,8 +13,8 @@ prompt beside what it decodes comes last.
 Splitting is not always worth it. A prompt mostly cached on the best prefill replica (or a
 short one) costs less to prefill where it will decode than to transfer; a pool with nothing
 routable leaves no pair. Then the request runs whole on one replica that can serve it alone
-(`both`; with vLLM's protocol a decode replica too, as vLLM's kv_both engines serve plain
-requests), and each outcome is counted. Sans I/O.
+(`both`; with vLLM's protocol any replica, as vLLM's kv_both engines serve plain requests
+whatever half kvlb gives them), and each outcome is counted. Sans I/O.
 """
 
 from __future__ import annotations
@@ -65,9 +65,7 @@ def has_roles(replicas: Sequence[Replica]) -> bool:
 def pools(candidates: Sequence[Replica], protocol: str) -> Pools:
     prefill = [r for r in candidates if r.settings.role == PREFILL]
     decode = [r for r in candidates if r.settings.role == DECODE]
-    whole = [r for r in candidates if r.settings.role == BOTH]
-    if protocol == "vllm":
-        whole += decode
+    whole = [r for r in candidates if r.settings.role == BOTH] if protocol == "sglang" else list(candidates)
     return Pools(prefill, decode, whole)
 
 

@@ -22,12 +22,12 @@ def replica(name: str, role: str, **labels: str) -> Replica:
     return Replica(ReplicaSettings(url=f"http://127.0.0.1:9000/{name}", name=name, role=role, labels=labels))
 
 
-def test_pools_by_role_and_vllm_decode_replicas_can_serve_alone() -> None:
+def test_pools_by_role_and_with_vllm_any_replica_can_serve_alone() -> None:
     fleet = [replica("p", "prefill"), replica("d", "decode"), replica("b", "both")]
     sglang, vllm = pools(fleet, "sglang"), pools(fleet, "vllm")
     assert [r.name for r in sglang.prefill] == ["p"] and [r.name for r in sglang.decode] == ["d"]
     assert [r.name for r in sglang.whole] == ["b"]
-    assert [r.name for r in vllm.whole] == ["b", "d"]
+    assert [r.name for r in vllm.whole] == ["p", "d", "b"]
 
 
 def test_a_mostly_cached_prompt_runs_whole_where_it_can_and_a_missing_pool_leaves_no_pair() -> None:
