@@ -1,0 +1,131 @@
+"""Prefill/decode disaggregation through kvlb in front of simulated prefill and decode replicas,
+in SGLang's protocol and in vLLM's: every request completes, streamed and not, on a decode
+replica; a mostly cached prompt runs whole where vLLM's protocol allows it; a decode replica
+killed while requests wait for their KV costs no request."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from contextlib import AsyncExitStack, ExitStack
+
+import aiohttp
+import orjson
+import pytest
+
+from loadtest.replica.launch import ReplicaProcess
+from tests.conftest import make_settings, run_balancer
+
+MODEL = "m"
+KV_BOTH = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
+PROMPT = "summarize the quarterly report of the northern division in plain words " * 40
+
+
+def replica_args(role: str, protocol: str, gbps: float = 400.0, time_scale: float = 20.0) -> list[str]:
+    args = ["--model", MODEL, "--time-scale", str(time_scale), "--kv-transfer-gbps", str(gbps),
+            "--disaggregation-wait-s", "10"]
+    if protocol == "sglang":
+        args += ["--disaggregation-mode", role]
+        if role == "prefill":
+            args += ["--disaggregation-bootstrap-port", "0"]
+    else:
+        args += ["--kv-transfer-config", KV_BOTH, "--disaggregation-bootstrap-port", "0"]
+    return args
+
+
+def entries(prefill: list[ReplicaProcess], decode: list[ReplicaProcess]) -> list[dict]:
+    out = [{"url": r.url, "name": f"p{i}", "role": "prefill", "bootstrap_port": r.bootstrap_port,
+            "labels": {"host": "node-0"}} for i, r in enumerate(prefill)]
+    out += [{"url": r.url, "name": f"d{i}", "role": "decode", "labels": {"host": "node-0"}}
+            for i, r in enumerate(decode)]
+    return out
+
+
+async def ask(http: aiohttp.ClientSession, url: str, route: str, stream: bool, prompt: str = PROMPT,
+              max_tokens: int = 8) -> tuple[int, dict, dict]:
+    """One request; a stream is read to its end and its usage chunk returned as the body."""
+    if route == "/v1/chat/completions":
+        body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
+    else:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    async with http.post(url + route, json=body) as resp:
+        if not stream or resp.status != 200:
+            return resp.status, dict(resp.headers), await resp.json(content_type=None)
+        usage: dict = {}
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                event = orjson.loads(line[6:])
+                usage = event.get("usage") or usage
+        return resp.status, dict(resp.headers), {"usage": usage}
+
+
+async def metric(http: aiohttp.ClientSession, url: str, outcome: str) -> float:
+    async with http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    for line in text.splitlines():
+        if line.startswith(f'kvlb_disaggregation_total{{outcome="{outcome}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+async def test_every_request_completes_on_a_decode_replica_streamed_and_not(protocol: str) -> None:
+    with ExitStack() as processes:
+        prefill = [processes.enter_context(ReplicaProcess(replica_args("prefill", protocol))) for _ in range(2)]
+        decode = [processes.enter_context(ReplicaProcess(replica_args("decode", protocol))) for _ in range(2)]
+        settings = make_settings(entries(prefill, decode), policy={"name": "predictive", "seed": 0},
+                                 routing={"route_header": True}, disaggregation={"protocol": protocol})
+        async with AsyncExitStack() as stack:
+            running = await stack.enter_async_context(run_balancer(settings))
+            http = await stack.enter_async_context(aiohttp.ClientSession())
+            n = 0
+            for route in ("/v1/completions", "/v1/chat/completions"):
+                for stream in (False, True):
+                    n += 1
+                    status, headers, body = await ask(http, running.url, route, stream, f"{n} {PROMPT}")
+                    assert status == 200, body
+                    assert headers["x-kvlb-replica"] in {"d0", "d1"}, headers
+                    assert headers["x-kvlb-route"].startswith("prefill: chosen=p"), headers["x-kvlb-route"]
+                    assert "decode: chosen=d" in headers["x-kvlb-route"]
+                    assert body["usage"]["completion_tokens"] == 8, body
+            assert await metric(http, running.url, "disaggregated") == 4
+            # The same prompt again: its prefill replica holds it. SGLang's decode replica
+            # reports that hit; vLLM's protocol runs a mostly cached prompt whole instead.
+            status, headers, body = await ask(http, running.url, "/v1/completions", False, f"1 {PROMPT}")
+            assert status == 200, body
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, body
+            outcome = "disaggregated" if protocol == "sglang" else "colocated_cached"
+            assert await metric(http, running.url, outcome) == (5 if protocol == "sglang" else 1)
+
+
+async def test_a_decode_replica_killed_before_the_first_token_costs_no_request() -> None:
+    # A slow link keeps every decode replica waiting for its KV for about half a second of
+    # real time: long enough to kill one while its requests wait.
+    with ExitStack() as processes:
+        prefill = [processes.enter_context(ReplicaProcess(replica_args("prefill", "sglang"))) for _ in range(2)]
+        decode = [processes.enter_context(ReplicaProcess(replica_args("decode", "sglang", gbps=0.05)))
+                  for _ in range(2)]
+        settings = make_settings(entries(prefill, decode), policy={"name": "predictive", "seed": 0},
+                                 disaggregation={"protocol": "sglang"})
+        async with AsyncExitStack() as stack:
+            running = await stack.enter_async_context(run_balancer(settings))
+            http = await stack.enter_async_context(aiohttp.ClientSession())
+            sent = [asyncio.ensure_future(ask(http, running.url, "/v1/completions", i % 2 == 0, f"{i} {PROMPT}"))
+                    for i in range(8)]
+            await asyncio.sleep(0.25)
+            assert not any(task.done() for task in sent), "the link was meant to hold every request"
+            os.kill(decode[0].pid, signal.SIGKILL)  # no goodbye: its connections just drop
+            results = await asyncio.gather(*sent)
+            for status, headers, body in results:
+                assert status == 200, body
+                assert headers["x-kvlb-replica"] == "d1"
+                assert body["usage"]["completion_tokens"] == 8
+            # Some of them were waiting on the killed replica: their pairs were retried whole.
+            async with http.get(running.url + "/metrics") as resp:
+                lines = (await resp.text()).splitlines()
+            failed = [line for line in lines if line.startswith('kvlb_upstream_attempts_total{')
+                      and 'replica="d0"' in line and 'outcome="ok"' not in line]
+            assert sum(float(line.split()[-1]) for line in failed) > 0, failed
