@@ -14,7 +14,12 @@ import signal
 import sys
 from typing import Any
 
-from loadtest.replica.config import ReplicaConfig
+from loadtest.replica.config import (
+    DEFAULT_BOOTSTRAP_PORT,
+    DISAGGREGATION_MODES,
+    KvTransferConfig,
+    ReplicaConfig,
+)
 from loadtest.replica.faults import Faults
 from loadtest.replica.kv_events import (
     DEFAULT_TOPIC,
@@ -75,6 +80,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--allow-runtime-lora-updating", action="store_true",
         help=f"mount /v1/load_lora_adapter and /v1/unload_lora_adapter (also {RUNTIME_LORA_ENV}=True)",
     )  # fmt: skip
+    disagg = parser.add_argument_group(
+        "prefill/decode disaggregation (SGLang's flags, or vLLM's --kv-transfer-config)"
+    )
+    disagg.add_argument(
+        "--disaggregation-mode", default="null", choices=DISAGGREGATION_MODES,
+        help="prefill or decode half of SGLang's protocol (default null: whole requests)",
+    )  # fmt: skip
+    disagg.add_argument(
+        "--disaggregation-bootstrap-port", type=int, default=DEFAULT_BOOTSTRAP_PORT,
+        help="a prefill replica's side channel for decode replicas; 0 picks a free port",
+    )  # fmt: skip
+    disagg.add_argument(
+        "--disaggregation-wait-s", type=float, default=30.0,
+        help="real seconds a decode replica waits for the prefill side before a 503",
+    )  # fmt: skip
+    disagg.add_argument(
+        "--kv-transfer-config", default=None, metavar="JSON",
+        help='vLLM\'s, e.g. \'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\': '
+        "both roles of vLLM's connector flow on this server",
+    )  # fmt: skip
+    disagg.add_argument(
+        "--kv-transfer-gbps", type=float, default=100.0,
+        help="prefill-to-decode link bandwidth in gigabits per second, for the transfer time",
+    )  # fmt: skip
+    disagg.add_argument(
+        "--kv-transfer-ttl-s", type=float, default=60.0,
+        help="model seconds a prefill replica holds KV no decode replica has fetched",
+    )  # fmt: skip
     faults = parser.add_argument_group("fault injection (also POST /admin/fault)")
     faults.add_argument("--fault-error-rate", type=float, default=0.0, help="fraction answered 503")
     faults.add_argument(
@@ -128,6 +161,14 @@ def config_from_args(args: argparse.Namespace) -> ReplicaConfig:
         lora_load_ms=args.lora_load_ms,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating
         or runtime_lora_updating_from_env(),
+        disaggregation_mode=args.disaggregation_mode,
+        disaggregation_bootstrap_port=args.disaggregation_bootstrap_port,
+        disaggregation_wait_s=args.disaggregation_wait_s,
+        kv_transfer_config=KvTransferConfig.parse(args.kv_transfer_config)
+        if args.kv_transfer_config is not None
+        else None,
+        kv_transfer_gbps=args.kv_transfer_gbps,
+        kv_transfer_ttl_s=args.kv_transfer_ttl_s,
     )
 
 
@@ -140,8 +181,12 @@ async def serve(config: ReplicaConfig) -> None:
 
     server = ReplicaServer(config)
     port = await server.start()
-    # Tests and scripts starting `--port 0` read the real port from this line.
-    print(f"kvlb replica listening on http://{config.host}:{port}", flush=True)
+    # Tests and scripts starting `--port 0` read the real port from this line, and a prefill
+    # replica's bootstrap port (one line: launchers stop reading at it).
+    line = f"kvlb replica listening on http://{config.host}:{port}"
+    if server.bootstrap_port is not None:
+        line += f" (bootstrap port {server.bootstrap_port})"
+    print(line, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from loadtest.replica.engine import EngineConfig
@@ -9,6 +10,35 @@ from loadtest.replica.faults import Faults
 from loadtest.replica.kv_events import DEFAULT_TOPIC, ENCODINGS, Encoding
 from loadtest.replica.lora import LoraModule
 from loadtest.replica.profiles import DEFAULT_PROFILE, get_profile
+
+# SGLang's --disaggregation-mode values; "null" (its default) serves whole requests.
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's default
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+
+
+@dataclass(frozen=True, slots=True)
+class KvTransferConfig:
+    """vLLM's --kv-transfer-config, reduced to what the replica reads."""
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+
+    @classmethod
+    def parse(cls, text: str) -> KvTransferConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"kv_transfer_config is not valid JSON: {error}") from None
+        if not isinstance(data, dict):
+            raise ValueError("kv_transfer_config must be a JSON object")
+        connector = data.get("kv_connector")
+        if not isinstance(connector, str) or not connector:
+            raise ValueError('kv_transfer_config needs "kv_connector", e.g. "NixlConnector"')
+        role = data.get("kv_role", "kv_both")
+        if role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config's kv_role must be one of {', '.join(KV_ROLES)}")
+        return cls(connector, role)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +68,14 @@ class ReplicaConfig:
     max_loras: int = 1  # adapters in GPU slots at once
     lora_load_ms: float = 20.0  # model milliseconds to load one into a slot
     allow_runtime_lora_updating: bool = False  # mounts the load/unload routes
+    # Prefill/decode disaggregation (disaggregation.py): SGLang's role flags, or vLLM's
+    # connector config, which serves both of its roles on one server.
+    disaggregation_mode: str = "null"
+    disaggregation_bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT  # 0: any free port
+    disaggregation_wait_s: float = 30.0  # real seconds a decode waits for the prefill side
+    kv_transfer_config: KvTransferConfig | None = None
+    kv_transfer_gbps: float = 100.0  # prefill-to-decode link, gigabits per second
+    kv_transfer_ttl_s: float = 60.0  # model seconds a prefill holds KV nobody has fetched
 
     def __post_init__(self) -> None:
         get_profile(self.profile)  # fail early on a typo
@@ -52,6 +90,7 @@ class ReplicaConfig:
         if self.kv_events_endpoint is not None and "://" not in self.kv_events_endpoint:
             raise ValueError("kv_events_endpoint must be a ZMQ endpoint like tcp://*:5557")
         self._check_lora()
+        self._check_disaggregation()
 
     def _check_lora(self) -> None:
         if self.lora_modules and not self.enable_lora:
@@ -66,6 +105,31 @@ class ReplicaConfig:
                 raise ValueError(f"lora_modules name the adapter '{name}' twice")
             if name == self.model_name:
                 raise ValueError(f"the adapter name '{name}' is the served model's name")
+
+    def _check_disaggregation(self) -> None:
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise ValueError(
+                f"unknown disaggregation_mode {self.disaggregation_mode!r}; "
+                f"one of {', '.join(DISAGGREGATION_MODES)}"
+            )
+        if self.kv_transfer_config is not None and self.disaggregation_mode != "null":
+            raise ValueError(
+                "give SGLang's disaggregation_mode or vLLM's kv_transfer_config, not both"
+            )
+        if not 0 <= self.disaggregation_bootstrap_port <= 65535:
+            raise ValueError("disaggregation_bootstrap_port must be from 0 to 65535")
+        for name in ("disaggregation_wait_s", "kv_transfer_gbps", "kv_transfer_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.disaggregation_mode != "null" or self.kv_transfer_config is not None
+
+    @property
+    def serves_kv(self) -> bool:
+        """Whether this replica prefills for others, and so runs the bootstrap server."""
+        return self.disaggregation_mode == "prefill" or self.kv_transfer_config is not None
 
     @property
     def model_name(self) -> str:

@@ -125,6 +125,7 @@ class RealtimeDriver:
         listener: TokenListener,
         request_id: str = "",
         adapter: str | None = None,
+        kv_transferred: bool = False,
     ) -> EngineSequence:
         seq = self.engine.submit(
             tokens,
@@ -133,6 +134,7 @@ class RealtimeDriver:
             request_id=request_id,
             owner=listener,
             adapter=adapter,
+            kv_transferred=kv_transferred,
         )
         if self._timer is None and self._loop is not None and self.failed is None:
             self._timer = self._loop.call_soon(self._tick, context=self._context)

@@ -25,6 +25,12 @@ least recently used adapter no running sequence uses; each load adds `lora_load_
 iteration. When every slot serves running sequences it is passed over, keeping its place,
 and the sequences behind it may still be admitted, as vLLM's scheduler skips a request that
 would put more than `max_loras` adapters in the batch.
+
+Disaggregated decode (`submit(..., kv_transferred=True)`): the prompt's KV was computed by a
+prefill server and copied here, so admission makes every prompt block resident at once (the
+full ones enter the prefix cache as if computed) and the sequence decodes in the same
+iteration: no prefill is computed or timed for it, and its first token costs one decode step.
+Preempted, it is recomputed here like any other sequence.
 """
 
 from __future__ import annotations
@@ -105,6 +111,7 @@ class EngineSequence:
     hashes: list[int]  # chained hashes of the full blocks of `tokens`
     owner: Any = None  # the driver's handle (a stream, a future); never read here
     adapter: str | None = None  # the LoRA adapter serving it; None: the base model
+    kv_transferred: bool = False  # its prompt's KV arrives from a prefill server
     status: Status = Status.WAITING
     num_generated: int = 0
     cached_tokens: int = 0  # prompt tokens found in cache at first admission
@@ -162,6 +169,8 @@ class EngineCounters:
     preemptions: int = 0
     lora_loads: int = 0
     lora_evictions: int = 0
+    # Prompt tokens whose KV came from a prefill server (some may have been cached here too).
+    transferred_tokens: int = 0
 
 
 class Engine:
@@ -237,11 +246,13 @@ class Engine:
         owner: Any = None,
         hashes: list[int] | None = None,
         adapter: str | None = None,
+        kv_transferred: bool = False,
     ) -> EngineSequence:
         """Queue a request. The engine keeps `tokens` and appends generated words to it.
 
         `adapter` names the LoRA adapter to serve it (None: the base model); `hashes`, when
-        given, must be keyed by it as `tokens.adapter_root` keys them.
+        given, must be keyed by it as `tokens.adapter_root` keys them. `kv_transferred`: the
+        prompt's KV came from a prefill server; it is made resident, not computed.
         """
         if adapter is not None:
             if not self.config.max_loras:
@@ -272,6 +283,7 @@ class Engine:
             hashes=hashes,
             owner=owner,
             adapter=adapter,
+            kv_transferred=kv_transferred,
         )
         self._waiting[seq.seq_id] = seq
         self._waiting_tokens += len(tokens)
@@ -333,9 +345,13 @@ class Engine:
 
         loads = 0
         if self._waiting and (not preempted or not (prefills or decodes)):
+            running_decodes = len(decodes)
             budget, prefill_tokens, prefill_attention, loads = self._admit(
-                budget, prefill_tokens, prefill_attention, prefills
+                budget, prefill_tokens, prefill_attention, prefills, decodes
             )
+            # Sequences whose KV was transferred decode from their first iteration.
+            for seq in decodes[running_decodes:]:
+                decode_context += seq.num_computed + 1
 
         if not prefills and not decodes:
             return None
@@ -473,6 +489,7 @@ class Engine:
         prefill_tokens: int,
         prefill_attention: float,
         prefills: list[tuple[EngineSequence, int]],
+        decodes: list[EngineSequence],
     ) -> tuple[int, int, float, int]:
         block_size = self.block_size
         cache = self.cache
@@ -494,13 +511,19 @@ class Engine:
                         passed_over.append(seq)
                         continue
             length = len(seq.tokens)
-            total_blocks = -(-length // block_size)
-            # At least the last prompt token is always computed, to produce the first output.
-            hit_limit = (length - 1) // block_size
             hashes = seq.hashes
-            matched, unreferenced = cache.match(
-                hashes if len(hashes) <= hit_limit else hashes[:hit_limit]
-            )
+            transferred = seq.kv_transferred
+            if transferred:
+                # Nothing is computed: every full prompt block may be found here, and the
+                # blocks taken hold the prompt and the first decoded token.
+                total_blocks = length // block_size + 1
+                lookup = hashes
+            else:
+                total_blocks = -(-length // block_size)
+                # At least the last prompt token is computed, to produce the first output.
+                hit_limit = (length - 1) // block_size
+                lookup = hashes if len(hashes) <= hit_limit else hashes[:hit_limit]
+            matched, unreferenced = cache.match(lookup)
             new_blocks = total_blocks - matched
             if not cache.can_allocate(new_blocks, unreferenced):
                 break  # first come, first served: the head waits for space
@@ -528,6 +551,12 @@ class Engine:
                 self.counters.prefix_queries_tokens += length
                 self.counters.prefix_hits_tokens += seq.num_computed
             self._running[seq.seq_id] = seq
+            if transferred:
+                seq.num_computed = length
+                self._commit_full_blocks(seq)  # the copied blocks join the prefix cache
+                self.counters.transferred_tokens += length
+                decodes.append(seq)
+                continue
             chunk = min(length - seq.num_computed, budget)
             budget -= chunk
             prefill_tokens += chunk
@@ -593,6 +622,7 @@ class Engine:
         self._release(seq)
         del self._running[seq.seq_id]
         seq.num_computed = seq.prefill_end = 0
+        seq.kv_transferred = False  # the copy is gone with its blocks: recompute here
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.counters.preemptions += 1

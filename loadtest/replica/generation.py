@@ -6,6 +6,11 @@ for the last one. Whatever way the handler leaves (done, client gone, cancelled)
 sequence leaves the engine and its KV blocks are released. With LoRA enabled the request's
 `model` (or `/generate`'s `lora_path`) picks the adapter, and a model the replica does not
 serve is a 404 before anything is queued (`lora.py`).
+
+A disaggregated half (`disaggregation.py`) changes three things: a prefill half is limited to
+one token and holds its KV when that token is out; a decode half first fetches its KV from
+the prefill side (a 503 if it cannot) and enters the engine with it resident; and its usage
+reports the prefill side's cached tokens, the cache hit a client would have seen.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from loadtest.replica.config import ReplicaConfig
+from loadtest.replica.disaggregation import DECODE, PREFILL, KvHandoff, Leg
 from loadtest.replica.driver import RealtimeDriver, TokenListener
 from loadtest.replica.engine import ContextLengthError, EngineSequence, QueueFullError
 from loadtest.replica.faults import FaultState
@@ -51,6 +57,25 @@ def error_response(error: ApiError) -> web.Response:
     return web.Response(status=error.status, body=error.body(), content_type=JSON_TYPE)
 
 
+class PrefillHold:
+    """Holds a prefill half's KV once, when its token is out, and keeps what the hold
+    returned (vLLM's kv_transfer_params) for the answer."""
+
+    __slots__ = ("_handoff", "_leg", "_held", "params")
+
+    def __init__(self, handoff: KvHandoff, leg: Leg) -> None:
+        self._handoff = handoff
+        self._leg = leg
+        self._held = False
+        self.params: dict[str, Any] | None = None
+
+    def __call__(self, prompt_tokens: int, cached_tokens: int) -> dict[str, Any] | None:
+        if not self._held:
+            self._held = True
+            self.params = self._handoff.hold(self._leg, prompt_tokens, cached_tokens)
+        return self.params
+
+
 def service_unavailable(message: str) -> ApiError:
     return ApiError(503, message, "service_unavailable", type_="service_unavailable_error")
 
@@ -62,11 +87,13 @@ class GenerationRoutes:
         driver: RealtimeDriver,
         faults: FaultState,
         lora: LoraRegistry | None = None,
+        handoff: KvHandoff | None = None,
     ) -> None:
         self.config = config
         self.driver = driver
         self.faults = faults
         self.lora = lora  # None: LoRA off, and any model name is served by the base model
+        self.handoff = handoff or KvHandoff(config)
         self._served_model = config.model_name
         # Short ids, unique per process: the prefix tells two replicas' ids apart.
         self._id_prefix = os.urandom(4).hex()
@@ -94,16 +121,30 @@ class GenerationRoutes:
             if self.faults.should_reject():
                 raise service_unavailable("injected fault: server unavailable")
             await self.faults.hang()
-            generation = parse(parse_json_object(body))
+            data = parse_json_object(body)
+            generation = parse(data)
+            leg = self.handoff.leg(data, generation)
             adapter = self._adapter(generation)
-            max_tokens = self._max_tokens(generation)
+            max_tokens = self._max_tokens(generation)  # checked on both halves alike
+            hold = PrefillHold(self.handoff, leg) if leg and leg.role == PREFILL else None
+            if hold is not None:
+                max_tokens = 1  # the decode server makes the answer
+            # The decode half's prompt cost the prefill side's hit, not this cache's.
+            cached_override = None
+            if leg is not None and leg.role == DECODE:
+                cached_override = (await self.handoff.receive(leg)).cached_tokens
             listener = TokenListener(
                 every_token=generation.stream or self.faults.faults.cut_after_tokens is not None
             )
             request_id = generation.request_id or f"{self._id_prefix}{next(self._ids):x}"
             try:
                 seq = self.driver.submit(
-                    generation.tokens, max_tokens, listener, request_id, adapter
+                    generation.tokens,
+                    max_tokens,
+                    listener,
+                    request_id,
+                    adapter,
+                    kv_transferred=cached_override is not None,
                 )
             except QueueFullError as error:
                 raise service_unavailable(str(error)) from None
@@ -113,10 +154,14 @@ class GenerationRoutes:
             return error_response(error)
         try:
             if generation.route == "generate":
-                return await self._sglang(request, generation, seq, listener)
-            return await self._openai(request, generation, seq, listener)
+                return await self._sglang(request, generation, seq, listener, cached_override)
+            return await self._openai(request, generation, seq, listener, cached_override, hold)
         finally:
             self.driver.abort(seq)  # a no-op once the sequence has finished
+            # Its token is out however the answer ended (a client gone after it still
+            # leaves computed KV); a prefill aborted before it holds nothing.
+            if hold is not None and listener.done:
+                hold(seq.prompt_tokens, seq.cached_tokens)
 
     def _adapter(self, generation: GenerationRequest) -> str | None:
         """The LoRA adapter the request names; None for the base model."""
@@ -172,6 +217,8 @@ class GenerationRoutes:
         generation: GenerationRequest,
         seq: EngineSequence,
         listener: TokenListener,
+        cached_override: int | None = None,
+        hold: PrefillHold | None = None,
     ) -> web.StreamResponse:
         chat = generation.route == "chat"
         request_id = ("chatcmpl-" if chat else "cmpl-") + seq.request_id
@@ -179,9 +226,13 @@ class GenerationRoutes:
         model = generation.model or self._served_model
         if not generation.stream:
             count = await self._wait_until_done(request, listener)
-            body_usage = usage(seq.prompt_tokens, count, seq.cached_tokens)
+            cached = seq.cached_tokens if cached_override is None else cached_override
+            body_usage = usage(seq.prompt_tokens, count, cached)
+            # vLLM's prefill leg names the KV it holds in its answer.
+            params = hold(seq.prompt_tokens, seq.cached_tokens) if hold is not None else None
+            extra = {"kv_transfer_params": params} if params is not None else None
             build = chat_completion if chat else text_completion
-            body = build(request_id, created, model, count, body_usage)
+            body = build(request_id, created, model, count, body_usage, extra)
             return web.Response(body=body, content_type=JSON_TYPE)
 
         stream = OpenAIStream(chat, request_id, created, model, seq.max_tokens)
@@ -191,7 +242,8 @@ class GenerationRoutes:
             parts = [stream.token_chunk(i, done and i == end - 1) for i in range(first, end)]
             if done:
                 if include_usage:
-                    parts.append(stream.usage_chunk(seq.prompt_tokens, end, seq.cached_tokens))
+                    cached = seq.cached_tokens if cached_override is None else cached_override
+                    parts.append(stream.usage_chunk(seq.prompt_tokens, end, cached))
                 parts.append(DONE)
             return parts
 
@@ -203,15 +255,23 @@ class GenerationRoutes:
         generation: GenerationRequest,
         seq: EngineSequence,
         listener: TokenListener,
+        cached_override: int | None = None,
     ) -> web.StreamResponse:
         started = time.monotonic()
-        answer = SGLangGenerate(seq.request_id, seq.prompt_tokens, seq.cached_tokens)
+        answer = SGLangGenerate(seq.request_id, seq.prompt_tokens)
+
+        def cached() -> int:
+            # Read once the engine has admitted the request, not at submit.
+            return seq.cached_tokens if cached_override is None else cached_override
+
         if not generation.stream:
             count = await self._wait_until_done(request, listener)
+            answer.cached_tokens = cached()
             body = answer.response(count, time.monotonic() - started)
             return web.Response(body=body, content_type=JSON_TYPE)
 
         def chunks(first: int, end: int, done: bool) -> list[bytes]:
+            answer.cached_tokens = cached()
             latency = time.monotonic() - started if done else None
             parts = [
                 answer.stream_chunk(i, done and i == end - 1, latency) for i in range(first, end)

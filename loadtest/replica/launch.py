@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import errno
 import random
+import re
 import select
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from loadtest.replica.server import ReplicaServer
 
 PORT_RANGE = (20000, 32768)
 PORT_ATTEMPTS = 50
+BOOTSTRAP_PORT = re.compile(r"\(bootstrap port (\d+)\)")
 
 
 def random_port() -> int:
@@ -42,7 +44,10 @@ async def running_replica(config: ReplicaConfig | None = None) -> AsyncIterator[
             break
         except OSError as error:
             await server.stop()
-            if error.errno != errno.EADDRINUSE or config.port or attempt == PORT_ATTEMPTS - 1:
+            # With the HTTP port bound, the taken one was another (the bootstrap port), which
+            # a new HTTP port does not free.
+            taken_here = error.errno == errno.EADDRINUSE and server.port is None
+            if not taken_here or config.port or attempt == PORT_ATTEMPTS - 1:
                 raise
     try:
         yield server
@@ -58,6 +63,7 @@ class ReplicaProcess:
         self.startup_timeout_s = startup_timeout_s
         self.process: subprocess.Popen[str] | None = None
         self.port: int | None = None
+        self.bootstrap_port: int | None = None  # a prefill replica's, from its ready line
         # A file, not a pipe: a child logging more than a pipe holds would block on it.
         self._stderr = tempfile.TemporaryFile(mode="w+")
 
@@ -85,9 +91,12 @@ class ReplicaProcess:
             line = self._read_ready_line(process)
             if line is not None:
                 self.port = port
+                match = BOOTSTRAP_PORT.search(line)
+                self.bootstrap_port = int(match.group(1)) if match else None
                 return self
             stderr = self._reap(process)
-            if "address already in use" not in stderr.lower():
+            # Another HTTP port frees no taken bootstrap port.
+            if "address already in use" not in stderr.lower() or "bootstrap port" in stderr:
                 raise RuntimeError(f"replica failed to start: {stderr.strip()[-2000:]}")
         raise RuntimeError("no free port found for the replica")
 

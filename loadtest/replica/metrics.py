@@ -14,12 +14,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from loadtest.replica.driver import RealtimeDriver
 from loadtest.replica.engine import EngineSequence
+from loadtest.replica.handoff import TransferCounters
 
 
 class ReplicaCollector:
-    def __init__(self, driver: RealtimeDriver, model: str) -> None:
+    def __init__(
+        self, driver: RealtimeDriver, model: str, transfers: TransferCounters | None = None
+    ) -> None:
         self._driver = driver
         self._labels = [model]
+        self._transfers = transfers  # None: not part of a disaggregated pair
 
     def collect(self) -> Iterator[Metric]:
         engine = self._driver.engine
@@ -85,6 +89,34 @@ class ReplicaCollector:
         )
         if engine.config.max_loras:
             yield self._lora_info()
+        if self._transfers is not None:
+            yield from self._kv_transfers(self._transfers)
+
+    def _kv_transfers(self, transfers: TransferCounters) -> Iterator[Metric]:
+        labels = self._labels
+        sent = CounterMetricFamily(
+            "kvlb_replica_kv_transfers_sent",
+            "Prompts' KV fetched from this prefill replica by decode replicas.",
+            labels=["model_name"],
+        )
+        sent.add_metric(labels, transfers.sent)
+        yield sent
+        received = CounterMetricFamily(
+            "kvlb_replica_kv_transfers_received",
+            "Prompts' KV fetched by this decode replica from prefill replicas.",
+            labels=["model_name"],
+        )
+        received.add_metric(labels, transfers.received)
+        yield received
+        failures = CounterMetricFamily(
+            "kvlb_replica_kv_transfer_failures",
+            "KV transfers that failed, by reason (a decode side's unreachable, timeout, "
+            "not_found, bad_answer; a prefill side's expired, dropped).",
+            labels=["model_name", "reason"],
+        )
+        for reason, count in transfers.failures.items():
+            failures.add_metric([*labels, reason], count)
+        yield failures
 
     def _lora_info(self) -> GaugeMetricFamily:
         """vLLM's info gauge: the adapters of the running and the waiting requests in its
@@ -106,10 +138,12 @@ class ReplicaCollector:
         return family
 
 
-def build_registry(driver: RealtimeDriver, model: str) -> CollectorRegistry:
+def build_registry(
+    driver: RealtimeDriver, model: str, transfers: TransferCounters | None = None
+) -> CollectorRegistry:
     """A registry per server, so several replicas in one process (tests) do not collide."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ReplicaCollector(driver, model))
+    registry.register(ReplicaCollector(driver, model, transfers))
     return registry
 
 

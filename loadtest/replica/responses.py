@@ -98,8 +98,14 @@ class OpenAIStream:
 
 
 def chat_completion(
-    request_id: str, created: int, model: str, completion_tokens: int, usage_body: dict[str, Any]
+    request_id: str,
+    created: int,
+    model: str,
+    completion_tokens: int,
+    usage_body: dict[str, Any],
+    extra: dict[str, Any] | None = None,
 ) -> bytes:
+    """`extra`: top-level fields beside the usual ones (vLLM's `kv_transfer_params`)."""
     return orjson.dumps(
         {
             "id": request_id,
@@ -115,12 +121,18 @@ def chat_completion(
                 }
             ],
             "usage": usage_body,
+            **(extra or {}),
         }
     )
 
 
 def text_completion(
-    request_id: str, created: int, model: str, completion_tokens: int, usage_body: dict[str, Any]
+    request_id: str,
+    created: int,
+    model: str,
+    completion_tokens: int,
+    usage_body: dict[str, Any],
+    extra: dict[str, Any] | None = None,
 ) -> bytes:
     return orjson.dumps(
         {
@@ -137,6 +149,7 @@ def text_completion(
                 }
             ],
             "usage": usage_body,
+            **(extra or {}),
         }
     )
 
@@ -144,12 +157,13 @@ def text_completion(
 class SGLangGenerate:
     """`/generate` bodies; a stream sends the text so far in every chunk, as SGLang does."""
 
-    __slots__ = ("_rid", "_prompt_tokens", "_cached_tokens", "_text")
+    __slots__ = ("_rid", "_prompt_tokens", "cached_tokens", "_text")
 
-    def __init__(self, rid: str, prompt_tokens: int, cached_tokens: int) -> None:
+    def __init__(self, rid: str, prompt_tokens: int, cached_tokens: int = 0) -> None:
         self._rid = rid
         self._prompt_tokens = prompt_tokens
-        self._cached_tokens = cached_tokens
+        # Known once the engine admits the request; the handler sets it before rendering.
+        self.cached_tokens = cached_tokens
         self._text = ""
 
     def _body(self, text: str, completion_tokens: int, finished: bool, latency_s: float | None):
@@ -158,7 +172,7 @@ class SGLangGenerate:
             "finish_reason": {"type": "length", "length": completion_tokens} if finished else None,
             "prompt_tokens": self._prompt_tokens,
             "completion_tokens": completion_tokens,
-            "cached_tokens": self._cached_tokens,
+            "cached_tokens": self.cached_tokens,
         }
         if latency_s is not None:
             meta["e2e_latency"] = latency_s

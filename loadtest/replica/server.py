@@ -6,7 +6,9 @@ information and health routes vLLM and SGLang expose, `/metrics`, `/tokenize` (v
 for fault injection and the simulator's own timing statistics. With a KV events endpoint set,
 the prefix cache's changes go out over ZMQ (`kv_events.py`). With LoRA enabled, `/v1/models`
 lists the registered adapters and, with runtime updating allowed, vLLM's and SGLang's routes
-register and unregister them (`lora.py`).
+register and unregister them (`lora.py`). A prefill replica of a disaggregated pair also
+runs the bootstrap server decode replicas fetch its KV from (`disaggregation.py`,
+`bootstrap.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from loadtest.replica.bootstrap import BootstrapServer
 from loadtest.replica.config import ReplicaConfig
+from loadtest.replica.disaggregation import KvHandoff
 from loadtest.replica.driver import RealtimeDriver
 from loadtest.replica.engine import Engine
 from loadtest.replica.faults import Faults, FaultSpecError, FaultState
@@ -54,10 +58,14 @@ class ReplicaServer:
         self.faults = FaultState(config.faults)
         self.model = config.model_name
         self.lora = LoraRegistry(self.model, config.lora_modules) if config.enable_lora else None
-        self.registry = build_registry(self.driver, self.model)
+        self.handoff = KvHandoff(config)
+        self.registry = build_registry(
+            self.driver, self.model, self.handoff.counters if config.disaggregated else None
+        )
         self.started_at = int(time.time())
         self.port: int | None = None
         self.kv_events: KvEventPublisher | None = None
+        self.bootstrap: BootstrapServer | None = None
         self._runner: web.AppRunner | None = None
         self._exit_handle: asyncio.TimerHandle | None = None
         self.app = self._build_app()
@@ -66,7 +74,7 @@ class ReplicaServer:
 
     def _build_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes)
-        GenerationRoutes(self.config, self.driver, self.faults, self.lora).add_to(app)
+        GenerationRoutes(self.config, self.driver, self.faults, self.lora, self.handoff).add_to(app)
         router = app.router
         # As vLLM, which mounts these only with runtime updating allowed: otherwise they are
         # unknown routes (404), not refusals.
@@ -117,6 +125,9 @@ class ReplicaServer:
         site = web.SockSite(self._runner, sock, backlog=1024)
         await site.start()
         self.port = sock.getsockname()[1]
+        # After the HTTP port is ours, for the reason above; a taken bootstrap port then
+        # fails with `port` set, and launch.py does not retry that with another HTTP port.
+        await self._start_bootstrap()
         self._schedule_exit(self.faults.faults.exit_after_s)
         return self.port
 
@@ -126,8 +137,27 @@ class ReplicaServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.bootstrap is not None:
+            await self.bootstrap.stop()
+            self.bootstrap = None
+        await self.handoff.close()
         await self.driver.stop()
         self._stop_kv_events()
+
+    async def _start_bootstrap(self) -> None:
+        config = self.config
+        if not config.serves_kv:
+            return
+        bootstrap = BootstrapServer(self.handoff, config.host, config.disaggregation_bootstrap_port)
+        self.bootstrap = bootstrap
+        port = await bootstrap.start()
+        self.handoff.bootstrap_port = port
+        log.info("bootstrap server (KV side channel) on http://%s:%d", config.host, port)
+
+    @property
+    def bootstrap_port(self) -> int | None:
+        """The real port of the bootstrap server; None when this replica runs none."""
+        return self.handoff.bootstrap_port
 
     def _start_kv_events(self) -> None:
         config = self.config
@@ -224,6 +254,12 @@ class ReplicaServer:
             "kv_events_topic": self.config.kv_events_topic,
             "kv_events_encoding": self.config.kv_events_encoding,
             "max_loras": engine_config.max_loras,
+            "disaggregation_mode": self.config.disaggregation_mode,
+            "disaggregation_bootstrap_port": self.bootstrap_port,
+            "kv_transfer_config": _kv_transfer_config(self.config),
+            "kv_transfer_gbps": self.config.kv_transfer_gbps,
+            "kv_bytes_per_token": profile.kv_bytes_per_token,
+            "engine_id": self.handoff.engine_id,
             "timing_ms": {
                 "a": profile.a_ms,
                 "b": profile.b_ms_per_token,
@@ -319,6 +355,8 @@ class ReplicaServer:
             "preemptions": counters.preemptions,
             "prompt_tokens": counters.prefix_queries_tokens,
             "cached_prompt_tokens": counters.prefix_hits_tokens,
+            "prefill_tokens": counters.prompt_tokens,  # computed here, not found or copied
+            "transferred_tokens": counters.transferred_tokens,
             "generation_tokens": counters.generation_tokens,
             "evicted_blocks": self.engine.cache.evicted_blocks_total,
             "kv_usage": self.engine.cache.usage,
@@ -329,6 +367,7 @@ class ReplicaServer:
             "resident_adapters": self.engine.resident_adapters(),
         }
         body["kv_events"] = self.kv_events.stats() if self.kv_events is not None else None
+        body["kv_transfers"] = self.handoff.counters.to_json()
         return _json(body)
 
     async def reset_stats(self, request: web.Request) -> web.Response:
@@ -402,6 +441,11 @@ def tokenize_words(data: dict[str, Any]) -> list[str]:
         return chat_tokens(data["messages"])
     except PromptError as error:
         raise bad_request(str(error), param="messages") from None
+
+
+def _kv_transfer_config(config: ReplicaConfig) -> dict[str, str] | None:
+    kv = config.kv_transfer_config
+    return None if kv is None else {"kv_connector": kv.kv_connector, "kv_role": kv.kv_role}
 
 
 def _invalid_lora(message: str) -> ApiError:
