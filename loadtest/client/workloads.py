@@ -80,6 +80,11 @@ interactive-batch  One tenant's interactive traffic (`critical_share` of it clas
     requests=1000  rate=8  critical_share=0.3  batch_share=0.5  interactive_tokens=512
     interactive_output=64  batch_tokens=2048  batch_output=256
 
+long-prompt     Unique prompts (no shared prefix) of a length drawn uniformly in words, answers
+                likewise: prefill-heavy traffic, the case for prefill/decode disaggregation.
+    requests=500  rate=1  min_prompt_tokens=8000  max_prompt_tokens=32000
+    min_output_tokens=200  max_output_tokens=500
+
 payloads:PATH   Recorded request bodies sent as they are: aiperf's inputs.json
                 (`{"data": [{"payloads": [BODY, ...]}, ...]}`) or JSONL, one body a line;
                 chat or completions by the body. Poisson arrivals at `rate` (default 8/s).
@@ -466,6 +471,22 @@ def _interactive_batch(path: str | None, o: dict, rng: random.Random) -> tuple[s
     return what, drafts, []
 
 
+def _long_prompt(path: str | None, o: dict, rng: random.Random) -> tuple[str, list, list]:
+    """Unique long prompts (documents to summarize, say) with answers of a few hundred
+    tokens: prefill heavy enough to stall every decode batch it joins, which is what
+    prefill/decode disaggregation is for."""
+    low, high = sorted((o["min_prompt_tokens"], o["max_prompt_tokens"]))
+    out_low, out_high = sorted((o["min_output_tokens"], o["max_output_tokens"]))
+    drafts = []
+    for r, at in enumerate(_poisson(rng, o["requests"], o["rate"])):
+        prompt, output = rng.randint(low, high), rng.randint(out_low, out_high)
+        drafts.append(WorkRequest(0, at, prompt, output, None, ROUTE_COMPLETIONS,
+                                  (("", ((f"lp{r}", prompt),)),), str(o["seed"])))
+    what = (f"long-prompt: {o['requests']} unique prompts of {low}-{high} words, output {out_low}-{out_high}, "
+            f"{o['rate']:g} req/s")
+    return what, drafts, []
+
+
 def _lora(path: str | None, o: dict, rng: random.Random) -> tuple[str, list, list]:
     """Fine-tuned models behind one base: each request names one of `adapters` LoRA adapters,
     drawn by Zipf popularity, and opens with that adapter's own system prompt."""
@@ -568,6 +589,10 @@ _KINDS: dict[str, tuple[_Builder, bool, dict[str, _Option]]] = {
         "adapters": (_COUNT, 64), "zipf": (_number(False), 1.0), "prefix": (str, "adapter-"),
         "system_tokens": (_COUNT, 2000), "question_tokens": (_COUNT, 64), "output_tokens": (_COUNT, 64),
         "requests": (_COUNT, 2000), "rate": (_RATE, 20.0),
+    }),
+    "long-prompt": (_long_prompt, False, {
+        "requests": (_COUNT, 500), "rate": (_RATE, 1.0), "min_prompt_tokens": (_COUNT, 8000),
+        "max_prompt_tokens": (_COUNT, 32000), "min_output_tokens": (_COUNT, 200), "max_output_tokens": (_COUNT, 500),
     }),
     "interactive-batch": (_interactive_batch, False, {
         "requests": (_COUNT, 1000), "rate": (_RATE, 8.0), "critical_share": (_fraction, 0.3),

@@ -17,6 +17,7 @@ import yaml
 
 from balancer.config import (
     ConfigError,
+    DisaggregationSettings,
     Limits,
     PolicySettings,
     RoutingSettings,
@@ -57,6 +58,11 @@ def policy_settings(name: str, config_path: str | None, seed: int) -> tuple[Poli
     settings = read_config(config_path)
     params = settings.policy.params if settings.policy.name == name else {}
     return PolicySettings(name=name, params=params, seed=seed), settings.routing
+
+
+def disaggregation_settings(config_path: str | None) -> DisaggregationSettings:
+    """The configuration's `disaggregation` section: how a fleet with roles splits requests."""
+    return DisaggregationSettings() if config_path is None else read_config(config_path).disaggregation
 
 
 def flow_settings(config_path: str | None) -> Settings | None:
@@ -137,6 +143,7 @@ def run_offline(
     precise: bool = False,
     ideal: Mapping[int, float] | None = None,
     flow: Settings | None = None,
+    disaggregation: DisaggregationSettings | None = None,
 ) -> tuple[dict[str, Any], list[RequestRecord]]:
     """Simulate, summarize, and write the results when `out_dir` is given. `ideal` is each
     request's TTFT on the ideal fleet (`ideal_for`), computed once for several runs; `flow`
@@ -152,7 +159,7 @@ def run_offline(
             print(f"\r  {policy.name}: {done}/{total} requests simulated", end="", file=sys.stderr, flush=True)
 
     result = simulate(fleet, workload.requests, policy, routing, show if progress else None, precise=precise,
-                      limits=HARNESS_LIMITS, flow=flow)
+                      limits=HARNESS_LIMITS, flow=flow, disaggregation=disaggregation)
     if progress:
         print(file=sys.stderr)
     cpu_s = time.process_time() - started
@@ -256,6 +263,7 @@ def main(args: argparse.Namespace) -> int:
         fleet = fleet_from_args(args)
         policy, routing = policy_settings(args.policy, args.policy_config, args.seed)
         flow = flow_settings(args.policy_config)
+        disaggregation = disaggregation_settings(args.policy_config)
         if args.policy_config is None:
             from policies.registry import make_policy
 
@@ -267,7 +275,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     summary, _ = run_offline(
         workload, fleet, policy, routing, Path(args.out), progress=not args.no_progress, precise=args.precise,
-        flow=flow,
+        flow=flow, disaggregation=disaggregation,
     )
     print_summary(summary)
     sim = summary["simulation"]

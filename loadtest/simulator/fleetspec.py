@@ -17,6 +17,8 @@ Either N identical replicas (`--replicas N --profile P`) or a YAML file of group
         weight: 1.0                  # relative speed, as a kvlb replica's `weight`
         max_loras: 4                 # LoRA adapter slots (vLLM --max-loras); default 0: no adapters
         lora_load_ms: 500            # model ms to load an adapter into a slot; default 100
+        role: prefill                # prefill | decode | both (default): disaggregated serving
+        host: rack1-node3            # a label: a prefill/decode pair on one host transfers fastest
       - count: 80
         region: eu-west
         tier: overflow
@@ -39,7 +41,9 @@ from loadtest.replica.profiles import DEFAULT_PROFILE, PROFILES, Profile
 GROUP_KEYS = {
     "count", "profile", "region", "zone", "tier", "kv_capacity_tokens", "max_running",
     "max_batched_tokens", "context_limit", "weight", "max_concurrency", "max_loras", "lora_load_ms",
+    "role", "host",
 }  # fmt: skip
+ROLES = ("both", "prefill", "decode")
 TOP_KEYS = {"region", "round_trip_ms", "groups", "profile"}
 
 
@@ -63,6 +67,7 @@ class ReplicaPlan:
     # It serves every adapter the workload names, as an engine started with them all.
     max_loras: int = 0
     lora_load_ms: float = 100.0
+    role: str = "both"  # which half of a disaggregated request it serves
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +156,7 @@ def parse_fleet(data: Any, source: str = "fleet") -> FleetPlan:
         count = _int(group.get("count"), f"{where}.count")
         profile = _profile(group.get("profile", default_profile), f"{where}.profile")
         labels = {}
-        for key in ("region", "zone", "tier"):
+        for key in ("region", "zone", "tier", "host"):
             value = group.get(key)
             if value is not None:
                 if not isinstance(value, str) or not value:
@@ -163,6 +168,9 @@ def parse_fleet(data: Any, source: str = "fleet") -> FleetPlan:
         weight = group.get("weight", 1.0)
         if not isinstance(weight, int | float) or isinstance(weight, bool) or weight <= 0:
             raise FleetError(f"{where}.weight: must be a number > 0")
+        role = group.get("role", "both")
+        if role not in ROLES:
+            raise FleetError(f"{where}.role: must be one of {', '.join(ROLES)}, got {role!r}")
         replica_region = labels.get("region")
         rtt_ms = 0.0 if replica_region in (None, region) else float(round_trip.get(replica_region, 0.0))
         prefix = replica_region or "replica"
@@ -183,9 +191,10 @@ def parse_fleet(data: Any, source: str = "fleet") -> FleetPlan:
                 else _int(group["max_concurrency"], f"{where}.max_concurrency"),
                 max_loras=_int(group.get("max_loras", 0), f"{where}.max_loras", 0),
                 lora_load_ms=_load_ms(group.get("lora_load_ms", 100.0), f"{where}.lora_load_ms"),
+                role=role,
             ))
         where_text = "/".join(labels[k] for k in ("region", "tier") if k in labels)
-        parts.append(f"{count} x {profile.name}" + (f" ({where_text}, +{rtt_ms:g} ms)" if rtt_ms else f" ({where_text})" if where_text else ""))
+        parts.append(f"{count} x {profile.name}" + ("" if role == "both" else f" {role}") + (f" ({where_text}, +{rtt_ms:g} ms)" if rtt_ms else f" ({where_text})" if where_text else ""))
     return FleetPlan(tuple(plans), region, "; ".join(parts))
 
 

@@ -42,6 +42,7 @@ from typing import Any
 import orjson
 
 from balancer.config import (
+    DisaggregationSettings,
     KvEventsSettings,
     Limits,
     PolicySettings,
@@ -53,6 +54,7 @@ from balancer.errors import ClientError
 from balancer.routing.admission import AdmissionQueue
 from balancer.routing.build import flow_controller
 from balancer.routing.core import PREFILLING, CoreSettings, Journey, RoutingCore
+from balancer.routing.disaggregation import has_roles, link_gbps, plan_split, transfer_ms
 from balancer.routing.fleet import FULL, Fleet, Replica
 from balancer.routing.kv_events import Cleared, Event, KvEventIndex, Removed, Stored
 from balancer.routing.precise import PreciseTracker
@@ -145,6 +147,12 @@ class Flight:
     replica: Replica | None = None
     seq: EngineSequence | None = None
     node: VirtualReplica | None = None
+    # Disaggregated: the decode half, waiting while `journey` is the prefill half; then the
+    # prefill replica's cache hit, which is the request's, and that its KV is transferred.
+    decode: Journey | None = None
+    prefill_cached: int = 0
+    transferred: bool = False
+    parsed: GenerationRequest | None = None
 
 
 @dataclass(slots=True)
@@ -185,9 +193,12 @@ class Simulator:
         precise: bool = False,
         limits: Limits | None = None,
         flow: Settings | None = None,
+        disaggregation: DisaggregationSettings | None = None,
     ) -> None:
         """`flow`: settings whose `flow_control` (with `auth.tenants` and `limits`) runs, as
-        `kvlb serve` runs it; its limits then replace `limits`."""
+        `kvlb serve` runs it; its limits then replace `limits`. `disaggregation`: how a fleet
+        with prefill and decode roles splits requests, as `kvlb serve`'s section of that name."""
+        self.disaggregation = disaggregation or DisaggregationSettings()
         self.decode_runs_enabled = decode_runs
         self.now = 0.0
         self.routing = routing or RoutingSettings()
@@ -197,7 +208,7 @@ class Simulator:
                 url=f"http://sim.invalid/{plan.name}", name=plan.name, model=MODEL,
                 labels=dict(plan.labels), weight=plan.weight, max_concurrency=plan.max_concurrency,
                 # kvlb configured as its engine was started: the same slots and load time.
-                max_loras=max(plan.max_loras, 1), lora_load_ms=plan.lora_load_ms,
+                max_loras=max(plan.max_loras, 1), lora_load_ms=plan.lora_load_ms, role=plan.role,
             )
             for plan in fleet.replicas
         ]
@@ -414,7 +425,17 @@ class Simulator:
                 self._leave(request)
                 return
             prompt = self.token_ids.of(parsed.tokens)
-        journey = core.plan(request.route, features, prompt, candidates, self.region)
+        decode = None
+        if has_roles(candidates):
+            try:
+                split = plan_split(core, request.route, features, prompt, candidates, self.disaggregation, self.region)
+            except ClientError as exc:
+                self._record_error(request, exc.status, exc.message)
+                self._leave(request)
+                return
+            journey, decode = split.journey, split.decode
+        else:
+            journey = core.plan(request.route, features, prompt, candidates, self.region)
         if parsed is None:
             parsed = self._parse(request, payload)
             if parsed is None:
@@ -422,7 +443,7 @@ class Simulator:
                 return
         if self.flow is not None:
             self.flow.placed(request)
-        self._attempt(Flight(request, journey), parsed, None)
+        self._attempt(Flight(request, journey, decode=decode), parsed, None)
 
     def _parse(self, request: WorkRequest, payload: dict[str, Any]) -> GenerationRequest | None:
         """The replica's own parser, on the body it would receive; None (and an error
@@ -453,10 +474,14 @@ class Simulator:
         node = self.nodes[flight.replica.name]
         self._bring_up_to(node, self.now)
         engine = node.engine
+        # The prefill half of a split request generates its one token; the decode half starts
+        # from the transferred KV.
+        max_tokens = 1 if flight.decode is not None else parsed.max_tokens or flight.request.output_tokens
         try:
             seq = engine.submit(
-                parsed.tokens, parsed.max_tokens or flight.request.output_tokens, self.now,
+                parsed.tokens, max_tokens, self.now,
                 request_id=str(flight.request.index), adapter=flight.request.adapter,
+                kv_transferred=flight.transferred,
             )
         except ContextLengthError as exc:
             # The replica's own 400, relayed to the client as the proxy relays it.
@@ -473,6 +498,7 @@ class Simulator:
             return
         flight.seq = seq
         flight.node = node
+        flight.parsed = parsed
         node.flights[seq.seq_id] = flight
         if not node.step_pending:
             self._schedule_step(node, engine.busy_until)
@@ -499,6 +525,9 @@ class Simulator:
         core.answered(journey, self.now, True, None)
         core.end_attempt(journey, answered=True)
         request = flight.request
+        if flight.decode is not None:
+            self._to_decode(flight, seq, node)
+            return
         self._leave(request)
         one_way = node.one_way_s
         predicted = None
@@ -510,11 +539,35 @@ class Simulator:
         self.records[request.index] = RequestRecord(
             index=request.index, send_s=request.arrival_s, status=200, error=None,
             replica=replica.name, session=request.session,
-            prompt_tokens=seq.prompt_tokens, cached_tokens=seq.cached_tokens, output_tokens=out,
+            prompt_tokens=seq.prompt_tokens,
+            cached_tokens=flight.prefill_cached if flight.transferred else seq.cached_tokens, output_tokens=out,
             ttft_s=ttft, e2e_s=e2e, tpot_s=(e2e - ttft) / (out - 1) if out > 1 else None, itl_s=[],
             predicted_cached_tokens=predicted,
         )
         self._stamp(self.records[request.index], request)
+
+    def _to_decode(self, flight: Flight, seq: EngineSequence, prefill: VirtualReplica) -> None:
+        """The prefill half is done: the decode half starts once the KV has crossed the
+        link. With SGLang's protocol the decode request was sent with the prefill one and
+        waits at its replica; with vLLM's it leaves once the prefill answer is back."""
+        decode = flight.decode
+        assert decode is not None and flight.parsed is not None and seq.finish_time is not None
+        flight.journey, flight.decode = decode, None
+        flight.prefill_cached, flight.transferred = seq.cached_tokens, True
+        replica = self.core.next_attempt(decode, self.now)
+        if replica is None:
+            self._record_error(flight.request, 502, "no decode replica to try")
+            self._leave(flight.request)
+            return
+        flight.replica = replica
+        node = self.nodes[replica.name]
+        settings = self.disaggregation
+        moved_s = transfer_ms(seq.prompt_tokens, link_gbps(prefill.replica, replica, settings), settings) / 1000.0
+        if settings.protocol == "sglang":
+            start = max(seq.finish_time + moved_s, flight.request.arrival_s + node.one_way_s)
+        else:
+            start = self.now + node.one_way_s + moved_s
+        self._at(max(start, self.now), REACH, (flight, flight.parsed))
 
     @staticmethod
     def _predicted(routed: Routed, replica: str, prompt_tokens: int) -> int:
@@ -664,5 +717,7 @@ def simulate(
     precise: bool = False,
     limits: Limits | None = None,
     flow: Settings | None = None,
+    disaggregation: DisaggregationSettings | None = None,
 ) -> SimulationResult:
-    return Simulator(fleet, policy, routing, precise=precise, limits=limits, flow=flow).run(requests, progress)
+    return Simulator(fleet, policy, routing, precise=precise, limits=limits, flow=flow,
+                     disaggregation=disaggregation).run(requests, progress)

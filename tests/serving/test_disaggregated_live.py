@@ -14,7 +14,7 @@ import aiohttp
 import orjson
 import pytest
 
-from loadtest.replica.launch import ReplicaProcess
+from loadtest.replica.launch import ReplicaProcess, random_port
 from tests.conftest import make_settings, run_balancer
 
 MODEL = "m"
@@ -28,9 +28,9 @@ def replica_args(role: str, protocol: str, gbps: float = 400.0, time_scale: floa
     if protocol == "sglang":
         args += ["--disaggregation-mode", role]
         if role == "prefill":
-            args += ["--disaggregation-bootstrap-port", "0"]
+            args += ["--disaggregation-bootstrap-port", str(random_port())]
     else:
-        args += ["--kv-transfer-config", KV_BOTH, "--disaggregation-bootstrap-port", "0"]
+        args += ["--kv-transfer-config", KV_BOTH, "--disaggregation-bootstrap-port", str(random_port())]
     return args
 
 
