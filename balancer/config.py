@@ -479,6 +479,10 @@ class DisaggregationSettings:
     # replica that can (role both; with vLLM, any replica): its prefill costs less
     # than the transfer and the second hop.
     colocate_below_tokens: int = _checked(512, _at_least(0))
+    # With a policy that predicts time: a request runs whole on a replica that can (as
+    # above) when the prefill pool's predicted first token, transfer included, would come
+    # this many times later: the prefill pool is saturated.
+    saturated_ratio: float = _checked(2.0, _rule(lambda v: v >= 1, "must be >= 1, got {!r}"))
     # KV cache bytes per token of the model (llama-3.1-8b in bf16: 2 x 32 layers x 8 KV
     # heads x 128 x 2 bytes), and the link between a pair by how close it is (labels
     # `host`, then `zone`): what a transfer costs the decode replica's first token.

@@ -320,6 +320,11 @@ class RoutingCore:
         prior = self._median_fit(False) if fit.samples == 0 else None
         return fit.observe((now - journey.sent_at) * 1000.0, journey.model_ttft_ms, prior, journey.alone)
 
+    def transferred(self, prefill: Journey, decode: Journey) -> None:
+        """A disaggregated request's decode half has its KV: its replica now holds the prompt."""
+        if prefill.routed is not None and decode.replica is not None and self.tracker is not None:
+            self.tracker.transferred(prefill.routed, decode.replica)
+
     def learn(self, journey: Journey, prompt_tokens: int, cached_tokens: int | None) -> Lesson | None:
         """The replica's own token figures for this prompt, against the prediction; at most
         one lesson per request. Without `cached_tokens` (the engine does not report them) the

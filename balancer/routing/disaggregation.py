@@ -12,7 +12,10 @@ prompt beside what it decodes comes last.
 
 Splitting is not always worth it. A prompt mostly cached on the best prefill replica (or a
 short one) costs less to prefill where it will decode than to transfer; a pool with nothing
-routable leaves no pair. Then the request runs whole on one replica that can serve it alone
+routable leaves no pair; a saturated prefill pool queues longer than a replica that can
+serve the request alone would take (with a policy that predicts time: the best prefill
+replica's predicted time to first token plus the transfer, `saturated_ratio` times the best
+such replica's or more). Then the request runs whole on one replica that can serve it alone
 (`both`; with vLLM's protocol any replica, as vLLM's kv_both engines serve plain requests
 whatever half kvlb gives them), and each outcome is counted. Sans I/O.
 """
@@ -26,7 +29,7 @@ from balancer.config import DisaggregationSettings
 from balancer.errors import ClientError
 from balancer.routing.core import DEFAULT_OUTPUT_TOKENS, Journey, RoutingCore
 from balancer.routing.fleet import Replica
-from policies.base import Choice, RequestFeatures
+from policies.base import TTFT_TERM, Choice, RequestFeatures
 
 PREFILL, DECODE, BOTH = "prefill", "decode", "both"
 
@@ -43,6 +46,7 @@ NO_ROOM_MS = 1e6
 SPLIT = "disaggregated"
 COLOCATED_CACHED = "colocated_cached"  # too little uncached prompt to be worth a transfer
 COLOCATED_NO_PAIR = "colocated_no_pair"  # one pool had nothing routable
+COLOCATED_FASTER = "colocated_faster"  # a replica serving it alone is predicted to answer sooner
 SINGLE_POOL = "single_pool"  # the fleet has no roles for this model: ordinary routing
 
 
@@ -160,6 +164,18 @@ def plan_split(
     if output is None:
         output = float(planned.max_tokens) if planned.max_tokens is not None else DEFAULT_OUTPUT_TOKENS
     rand = core.policy_for(features.model).rng.random
-    ranking = rank_decode(split.decode, journey.ranking[0].replica, planned.prompt_tokens, output, settings,
+    best = journey.ranking[0]
+    ranking = rank_decode(split.decode, best.replica, planned.prompt_tokens, output, settings,
                           [rand() for _ in split.decode])
+    prefill_ms = best.terms.get(TTFT_TERM)
+    if split.whole and prefill_ms is not None:
+        # A saturated prefill pool: where a replica that serves alone would give the first
+        # token `saturated_ratio` times sooner than the prefill pool plus the transfer, the
+        # request runs there. Not merely sooner: a whole run is always a transfer sooner on
+        # an idle fleet, and what splitting buys is the decode batches its prefill spares.
+        whole = core.plan(route, features, prompt, split.whole, origin_region)
+        whole_ms = whole.ranking[0].terms.get(TTFT_TERM)
+        split_ms = prefill_ms + ranking[0].terms["transfer_ms"]
+        if whole_ms is not None and whole_ms * settings.saturated_ratio < split_ms:
+            return SplitPlan(whole, None, COLOCATED_FASTER)
     return SplitPlan(journey, Journey(planned, ranking, None, max_attempts=journey.max_attempts), SPLIT)

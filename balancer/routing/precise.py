@@ -103,6 +103,9 @@ class PreciseTracker(CacheTracker):
         if not holders:
             del self._pending[replica.name]
 
+    def transferred(self, routed: Routed, replica: Replica) -> None:
+        pass  # the decode replica's own KV events say what it stored
+
     def first_byte(self, routed: Routed, replica: Replica) -> None:
         self._leave_pending(routed, replica)
         self.index.record(replica.name, routed.hashes)

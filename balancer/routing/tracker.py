@@ -104,6 +104,11 @@ class CacheTracker:
     def first_byte(self, routed: Routed, replica: Replica) -> None:
         """`replica` has answered: its prefill is done (called once per attempt)."""
 
+    def transferred(self, routed: Routed, replica: Replica) -> None:
+        """The prompt's KV was copied to `replica`, a decode replica of a disaggregated pair:
+        it holds the prefix now as if it had computed it, and may serve it whole later."""
+        self.index.record(replica.name, routed.hashes)
+
     def finish(self, routed: Routed, replica: Replica, *, answered: bool, prefilled: bool) -> None:
         """The attempt on `replica` is over. One that never got an answer leaves nothing in
         the replica's cache beyond what it had, so the index forgets what `start` recorded."""

@@ -91,7 +91,7 @@ class PairForwarder:
             body = pd_protocol.sglang_body(request.body, p.url, port, pd_protocol.new_room())
             prefill_leg = asyncio.ensure_future(self._prefill_leg(request, headers, body, prefill, p))
             try:
-                return await self._decode_leg(request, headers, body, decode, d, request_id, outcome,
+                return await self._decode_leg(request, headers, body, prefill, decode, d, request_id, outcome,
                                               extra_headers, prefill_leg)
             finally:
                 if not prefill_leg.done():
@@ -103,7 +103,8 @@ class PairForwarder:
         if params is None:
             raise _PairFailed("prefill", p, "no_kv_transfer_params")
         body = pd_protocol.vllm_decode_body(request.body, params)
-        return await self._decode_leg(request, headers, body, decode, d, request_id, outcome, extra_headers, None)
+        return await self._decode_leg(request, headers, body, prefill, decode, d, request_id, outcome,
+                                      extra_headers, None)
 
     async def _prefill_leg(self, request: Request, headers: Headers, body: bytes, journey: Journey,
                            replica: Replica) -> bytes:
@@ -133,8 +134,8 @@ class PairForwarder:
         proxy.metrics.count_attempt(replica.name, "ok")
         return answer
 
-    async def _decode_leg(self, request: Request, headers: Headers, body: bytes, journey: Journey, replica: Replica,
-                          request_id: str, outcome: Outcome, extra_headers: Headers | None,
+    async def _decode_leg(self, request: Request, headers: Headers, body: bytes, prefill: Journey, journey: Journey,
+                          replica: Replica, request_id: str, outcome: Outcome, extra_headers: Headers | None,
                           prefill_leg: asyncio.Future[bytes] | None) -> bool:
         proxy = self.proxy
         sent = asyncio.ensure_future(proxy.pool.request(replica.url, request.method, request.target, headers, body,
@@ -161,6 +162,8 @@ class PairForwarder:
                 raise _PairFailed("decode", replica, f"http_{resp.status}")
             outcome.status = resp.status
             outcome.answered = True
+            if resp.status == 200:
+                proxy.core.transferred(prefill, journey)
             fault = await proxy._relay(request, resp, replica, journey, request_id, outcome, extra_headers)
             if fault is not None:
                 proxy._failed(journey, fault, asyncio.get_running_loop().time())

@@ -241,7 +241,8 @@ class Metrics(Collector):
         split = CounterMetricFamily(
             "kvlb_disaggregation",
             "Requests to a fleet with prefill and decode roles, by outcome: disaggregated, "
-            "colocated_cached (too little uncached prompt for a transfer) or colocated_no_pair",
+            "colocated_cached (too little uncached prompt for a transfer), colocated_no_pair or "
+            "colocated_faster (the prefill pool queues longer than a whole run would take)",
             labels=["outcome"],
         )
         for reason, count in sorted(self.disaggregation.items()):

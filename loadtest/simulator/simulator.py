@@ -550,8 +550,9 @@ class Simulator:
         """The prefill half is done: the decode half starts once the KV has crossed the
         link. With SGLang's protocol the decode request was sent with the prefill one and
         waits at its replica; with vLLM's it leaves once the prefill answer is back."""
-        decode = flight.decode
-        assert decode is not None and flight.parsed is not None and seq.finish_time is not None
+        decode, prefill_journey = flight.decode, flight.journey
+        assert decode is not None and prefill_journey is not None
+        assert flight.parsed is not None and seq.finish_time is not None
         flight.journey, flight.decode = decode, None
         flight.prefill_cached, flight.transferred = seq.cached_tokens, True
         replica = self.core.next_attempt(decode, self.now)
@@ -560,6 +561,7 @@ class Simulator:
             self._leave(flight.request)
             return
         flight.replica = replica
+        self.core.transferred(prefill_journey, decode)
         node = self.nodes[replica.name]
         settings = self.disaggregation
         moved_s = transfer_ms(seq.prompt_tokens, link_gbps(prefill.replica, replica, settings), settings) / 1000.0

@@ -64,3 +64,36 @@ def test_a_busier_decode_batch_and_a_full_kv_cache_rank_later() -> None:
     full.context_tokens = 3000
     ranked = rank_decode([full, busy], p, 4000, 300, SETTINGS, [0.0, 0.0])
     assert ranked[-1].replica.name == "full"
+
+
+def _core(replicas: list[Replica]):
+    from balancer.config import RoutingSettings
+    from balancer.routing.admission import AdmissionQueue
+    from balancer.routing.core import CoreSettings, RoutingCore
+    from balancer.routing.fleet import Fleet
+    from balancer.routing.tracker import CacheTracker
+    from policies.registry import make_policy
+
+    fleet = Fleet([r.settings for r in replicas])
+    core = RoutingCore(fleet, make_policy("predictive", seed=0), CacheTracker(RoutingSettings(), lambda: 0.0),
+                       AdmissionQueue(8, 8), CoreSettings(), call_at=lambda when, cb: None)
+    return core, fleet
+
+
+def test_a_saturated_prefill_pool_sends_the_request_whole_where_vllm_allows() -> None:
+    from balancer.routing.disaggregation import COLOCATED_FASTER, SPLIT, plan_split
+    from policies.base import RequestFeatures
+
+    # One host: the transfer is quick, and an idle pair beats a whole run on the decode side.
+    core, fleet = _core([replica("p", "prefill", host="h"), replica("d", "decode", host="h")])
+    prefill, decode = fleet.replicas
+    prompt = "a long document to summarize " * 2000
+    features = RequestFeatures("/v1/completions", stream=True)
+    vllm = DisaggregationSettings(protocol="vllm")
+    assert plan_split(core, "/v1/completions", features, prompt, fleet.replicas, vllm).outcome == SPLIT
+    prefill.prefill_tokens_queued = 400_000  # seconds of prefill queued on the only prefill replica
+    plan = plan_split(core, "/v1/completions", features, prompt, fleet.replicas, vllm)
+    assert plan.outcome == COLOCATED_FASTER and plan.decode is None
+    assert plan.journey.ranking[0].replica is decode
+    # SGLang's decode servers cannot take a request alone: the pair stands.
+    assert plan_split(core, "/v1/completions", features, prompt, fleet.replicas, SETTINGS).outcome == SPLIT
