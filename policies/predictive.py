@@ -400,7 +400,8 @@ def _trusted_fits(fits: list[float], samples: list[int]) -> list[float]:
         return fits
     known = [f for f, n in zip(fits, samples, strict=True) if n]
     if not known:
-        return fits
+        # Nothing trusted (a fleet not yet taught, or whose fits have all faded): all alike.
+        return [statistics.median(fits)] * len(fits)
     median = statistics.median(known)
     trusted = []
     for f, n in zip(fits, samples, strict=True):

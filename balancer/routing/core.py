@@ -64,6 +64,9 @@ IDLE, PREFILLING, DECODING = 0, 1, 2
 # with no max_tokens and no history, for flow control's token shares.
 DEFAULT_TOKENS_PER_BYTE = 0.25
 DEFAULT_OUTPUT_TOKENS = 256.0
+# How often untaught speed fits fade (latency.FADE_AFTER_S): a walk over the fleet, so not
+# per request.
+FADE_CHECK_S = 1.0
 
 # call_at(when, callback): run callback(now) once the driver's clock reaches `when`.
 CallAt = Callable[[float, Callable[[float], None]], Any]
@@ -128,6 +131,7 @@ class RoutingCore:
         self.settings = settings
         self._call_at = call_at
         self.output_lengths = OutputLengths()
+        self._faded_at = 0.0  # when the fits last faded (latency.py): at most once a second
         for replica in fleet.replicas:
             self.joined(replica)
 
@@ -202,6 +206,11 @@ class RoutingCore:
 
     def candidates(self, model: str | None, allowed_regions: frozenset[str] | None, now: float) -> list[Replica]:
         """The replicas that may take the request, or the ClientError saying why none."""
+        if now - self._faded_at >= FADE_CHECK_S:
+            self._faded_at = now
+            for replica in self.fleet.replicas:
+                replica.latency.fade(now)
+                replica.decode_latency.fade(now)
         return self.fleet.candidates(model, allowed_regions, now)
 
     def flow_cost(self, features: RequestFeatures, body_bytes: int) -> float:
@@ -318,7 +327,7 @@ class RoutingCore:
             return None
         fit = replica.latency
         prior = self._median_fit(False) if fit.samples == 0 else None
-        return fit.observe((now - journey.sent_at) * 1000.0, journey.model_ttft_ms, prior, journey.alone)
+        return fit.observe((now - journey.sent_at) * 1000.0, journey.model_ttft_ms, prior, journey.alone, now)
 
     def transferred(self, prefill: Journey, decode: Journey) -> None:
         """A disaggregated request's decode half has its KV: its replica now holds the prompt."""
@@ -351,7 +360,7 @@ class RoutingCore:
         per_token_ms = (now - started) * 1000.0 / (output_tokens - 1)
         fit = replica.decode_latency
         prior = self._median_fit(True) if fit.samples == 0 else None
-        return fit.observe(per_token_ms, journey.model_itl_ms, prior)
+        return fit.observe(per_token_ms, journey.model_itl_ms, prior, now=now)
 
     def _median_fit(self, decode: bool) -> float | None:
         """The median of the fleet's fitted multipliers, where some replica has one: where a

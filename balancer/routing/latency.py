@@ -54,6 +54,10 @@ SHIFT_FACTOR = 2.0
 # The evidence a confirmed change counts as, in answers: enough for a policy to trust it in
 # full (policies/predictive.py trusts a fit of 16 answers).
 CONFIRMED_EVIDENCE = 16
+# A fit nothing has taught for this long loses half its evidence, and again each time as
+# long: a replica priced out as slow gets no answers to show it recovered, so its fit must
+# fade toward the fleet's until it is tried again (about 2.5 minutes from full evidence).
+FADE_AFTER_S = 30.0
 
 _LOG_MIN, _LOG_MAX = math.log(MIN_SCALE), math.log(MAX_SCALE)
 _LOG_SHIFT = math.log(SHIFT_FACTOR)
@@ -62,7 +66,7 @@ _LOG_SHIFT = math.log(SHIFT_FACTOR)
 class LatencyFit:
     """One replica's fitted multiplier on its profile's predicted time to first token."""
 
-    __slots__ = ("_log_scale", "scale", "samples", "evidence", "last_error", "_run")
+    __slots__ = ("_log_scale", "scale", "samples", "evidence", "last_error", "_run", "taught_at")
 
     def __init__(self) -> None:
         self._log_scale = 0.0
@@ -75,9 +79,17 @@ class LatencyFit:
         self.last_error = 1.0
         # Log ratios of the latest answers in a row that lay beyond SHIFT_FACTOR on one side.
         self._run: list[float] = []
+        # When an answer last taught it (or its evidence last faded), by the core's clock.
+        self.taught_at: float | None = None
+
+    def fade(self, now: float) -> None:
+        """Halve the evidence of a fit untaught for FADE_AFTER_S."""
+        if self.evidence and self.taught_at is not None and now - self.taught_at >= FADE_AFTER_S:
+            self.evidence //= 2
+            self.taught_at = now
 
     def observe(self, observed_ms: float, model_ms: float, prior: float | None = None,
-                confirmable: bool = False) -> float | None:
+                confirmable: bool = False, now: float | None = None) -> float | None:
         """One sample: `model_ms` is the profile's prediction before the multiplier.
         Returns observed over the prediction with the multiplier as it was (the error), or
         None when the sample teaches nothing.
@@ -99,6 +111,7 @@ class LatencyFit:
         error = math.exp(off)
         self.samples += 1
         self.evidence += 1
+        self.taught_at = now
         run = self._run
         if confirmable and abs(off) > _LOG_SHIFT:
             if run and (run[-1] > self._log_scale) != (off > 0):

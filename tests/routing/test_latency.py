@@ -194,3 +194,27 @@ def test_the_core_gives_a_new_replica_the_fleets_median_fit() -> None:
     core.next_attempt(journey, 0.0)
     core.first_byte(journey, 0.1 * journey.model_ttft_ms / 1000.0)  # as fast as the fleet
     assert new.ttft_scale == pytest.approx(old.ttft_scale, rel=0.05)
+
+
+def test_a_replica_priced_out_as_slow_is_tried_again_once_its_evidence_fades() -> None:
+    now = [0.0]
+    fleet = Fleet([ReplicaSettings(url=f"http://127.0.0.1:900{i}", name=f"r{i}") for i in range(2)])
+    core = RoutingCore(fleet, make_policy("predictive"), CacheTracker(RoutingSettings(), lambda: now[0]),
+                       AdmissionQueue(8, 8), CoreSettings(), call_at=lambda when, cb: None)
+    slow, healthy = fleet.replicas
+    for _ in range(20):
+        healthy.latency.observe(100.0, 100.0, confirmable=True, now=0.0)
+    for _ in range(SHIFT_RUN):
+        slow.latency.observe(500.0, 100.0, confirmable=True, now=0.0)
+    assert slow.ttft_samples >= CONFIRMED_EVIDENCE
+    features = RequestFeatures("/v1/completions", stream=True)
+    ranked = core.plan("/v1/completions", features, PROMPT, core.candidates(None, None, 1.0)).ranking
+    assert ranked[0].replica is healthy and ranked[1].terms["speed"] > 1.5  # over the two's median
+    # Minutes in which only the healthy replica answers: the slow one's fit fades back to
+    # the fleet's, and the healthy one's, still taught, does not.
+    for t in range(2, 400, 2):
+        healthy.latency.observe(100.0, 100.0, confirmable=True, now=float(t))
+        core.candidates(None, None, float(t))
+    assert slow.ttft_samples == 0 and healthy.ttft_samples > CONFIRMED_EVIDENCE
+    ranked = core.plan("/v1/completions", features, PROMPT, core.candidates(None, None, 400.0)).ranking
+    assert all(choice.terms["speed"] == 1.0 for choice in ranked)
