@@ -129,3 +129,23 @@ async def test_a_decode_replica_killed_before_the_first_token_costs_no_request()
             failed = [line for line in lines if line.startswith('kvlb_upstream_attempts_total{')
                       and 'replica="d0"' in line and 'outcome="ok"' not in line]
             assert sum(float(line.split()[-1]) for line in failed) > 0, failed
+
+
+async def test_a_client_setting_the_balancers_fields_gets_a_clear_400_and_others_are_served() -> None:
+    with ExitStack() as processes:
+        prefill = [processes.enter_context(ReplicaProcess(replica_args("prefill", "sglang")))]
+        decode = [processes.enter_context(ReplicaProcess(replica_args("decode", "sglang")))]
+        settings = make_settings(entries(prefill, decode), disaggregation={"protocol": "sglang"})
+        async with AsyncExitStack() as stack:
+            running = await stack.enter_async_context(run_balancer(settings))
+            http = await stack.enter_async_context(aiohttp.ClientSession())
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "bootstrap_room": 7}
+            async with http.post(running.url + "/v1/completions", json=body) as resp:
+                error = (await resp.json())["error"]
+                assert resp.status == 400 and error["code"] == "reserved_field"
+                assert error["param"] == "bootstrap_room" and "balancer" in error["message"]
+            async with http.post(running.url + "/v1/completions", data=b"[1, 2]",
+                                 headers={"content-type": "application/json"}) as resp:
+                assert resp.status == 400 and "error" in await resp.json()
+            status, _, body = await ask(http, running.url, "/v1/completions", True)
+            assert status == 200 and body["usage"]["completion_tokens"] == 8
