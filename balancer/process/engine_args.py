@@ -15,6 +15,10 @@ ENGINES = ("vllm", "sglang", "replica")
 DEFAULT_BASE_PORT = 30000
 # Below 32768 (the kernel's ephemeral range), so no outgoing connection already holds them.
 DEFAULT_EVENTS_BASE_PORT = 31000
+# A prefill engine's bootstrap server (SGLang's side channel for decode engines; vLLM's
+# NIXL side channel, VLLM_NIXL_SIDE_CHANNEL_PORT), one per replica.
+DEFAULT_BOOTSTRAP_BASE_PORT = 31500
+VLLM_KV_TRANSFER_CONFIG = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
 KV_EVENTS_TOPIC = "kv-events"
 # vLLM's CPU backend only takes block sizes that are multiples of 32.
 VLLM_CPU_BLOCK_MULTIPLE = 32
@@ -46,6 +50,13 @@ class LaunchSpec:
     python: str = "python"
     engine_args: tuple[str, ...] = ()
     cpu_count: int = 1  # the host's, for --cpu's one core per replica; passed in to stay pure
+    # Prefill/decode disaggregation: the first `prefill` replicas prefill, the rest decode
+    # (0: every replica serves whole requests).
+    prefill: int = 0
+    bootstrap_base_port: int = DEFAULT_BOOTSTRAP_BASE_PORT
+
+    def role(self, i: int) -> str:
+        return "both" if not self.prefill else "prefill" if i < self.prefill else "decode"
 
     @property
     def effective_block_size(self) -> int:
@@ -63,6 +74,8 @@ class EngineLaunch:
     url: str  # what kvlb forwards to and health-checks
     events_endpoint: str  # what kvlb connects to for this replica's KV events
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # added to os.environ
+    role: str = "both"
+    bootstrap_port: int | None = None  # a prefill engine's side channel
 
 
 def default_block_size(engine: str, cpu: bool) -> int:
@@ -101,6 +114,9 @@ def validate(spec: LaunchSpec) -> None:
         problems.append(f"--gpus-per-replica must be >= 1, got {spec.gpus_per_replica}")
     if spec.block_size is not None and spec.block_size < 1:
         problems.append(f"--block-size must be >= 1, got {spec.block_size}")
+    if spec.prefill and not 0 < spec.prefill < spec.replicas:
+        problems.append(f"--prefill must leave at least one decode replica: 1..{spec.replicas - 1}, "
+                        f"got {spec.prefill}")
     if spec.cpu_count < 1:
         problems.append(f"cpu count must be >= 1, got {spec.cpu_count}")
     if spec.cpu and spec.engine == "sglang":
@@ -125,6 +141,8 @@ def _port_problems(spec: LaunchSpec) -> list[str]:
         "--events-base-port": range(spec.events_base_port, spec.events_base_port + n),
         "--port": range(spec.kvlb_port, spec.kvlb_port + 1),
     }
+    if spec.prefill:
+        ranges["--bootstrap-base-port"] = range(spec.bootstrap_base_port, spec.bootstrap_base_port + n)
     problems = [
         f"{flag} gives ports {_span(ports)}, outside 1-65535"
         for flag, ports in ranges.items()
@@ -153,6 +171,11 @@ def build_launches(spec: LaunchSpec) -> list[EngineLaunch]:
     for i in range(spec.replicas):
         port, events_port = spec.base_port + i, spec.events_base_port + i
         argv, env = builder(spec, i, port, events_port)
+        role = spec.role(i)
+        bootstrap = spec.bootstrap_base_port + i if role != "both" else None
+        argv += _disaggregation_args(spec, role, bootstrap)
+        if bootstrap is not None and spec.engine == "vllm":
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(bootstrap)
         launches.append(
             EngineLaunch(
                 index=i,
@@ -162,9 +185,24 @@ def build_launches(spec: LaunchSpec) -> list[EngineLaunch]:
                 events_port=events_port,
                 url=f"http://{host}:{port}",
                 events_endpoint=f"tcp://{host}:{events_port}",
+                role=role,
+                bootstrap_port=bootstrap if role == "prefill" else None,
             )
         )
     return launches
+
+
+def _disaggregation_args(spec: LaunchSpec, role: str, bootstrap: int | None) -> list[str]:
+    """The engine flags of its half: SGLang's mode and bootstrap port (the simulated replica
+    takes the same), or vLLM's connector, with which every engine serves either half."""
+    if role == "both" or bootstrap is None:
+        return []
+    if spec.engine == "vllm":
+        return ["--kv-transfer-config", VLLM_KV_TRANSFER_CONFIG]
+    args = ["--disaggregation-mode", role]
+    if role == "prefill":
+        args += ["--disaggregation-bootstrap-port", str(bootstrap)]
+    return args
 
 
 def _gpu_ids(spec: LaunchSpec, i: int) -> str:

@@ -26,6 +26,7 @@ from balancer.config import ConfigError, Settings, parse_settings
 from balancer.process.children import dies_with_parent
 from balancer.process.engine_args import (
     DEFAULT_BASE_PORT,
+    DEFAULT_BOOTSTRAP_BASE_PORT,
     DEFAULT_EVENTS_BASE_PORT,
     ENGINES,
     EngineLaunch,
@@ -56,6 +57,11 @@ def register(sub: Any) -> None:
                         help="engine i listens on P+i")
     parser.add_argument("--events-base-port", type=int, default=DEFAULT_EVENTS_BASE_PORT, metavar="E",
                         help="engine i publishes KV events on E+i")
+    parser.add_argument("--prefill", type=int, default=0, metavar="N",
+                        help="prefill/decode disaggregation: the first N replicas prefill, the rest decode "
+                             "(SGLang's protocol for sglang and replica, vLLM's NIXL connector for vllm)")
+    parser.add_argument("--bootstrap-base-port", type=int, default=DEFAULT_BOOTSTRAP_BASE_PORT, metavar="B",
+                        help="with --prefill: engine i's KV side channel listens on B+i")
     parser.add_argument("--host", default="127.0.0.1", help="where kvlb and the engines listen")
     parser.add_argument("--port", type=int, default=8000, help="kvlb's port")
     parser.add_argument("--policy", default="predictive")
@@ -91,6 +97,8 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         python=args.engine_python,
         engine_args=tuple(engine_args),
         cpu_count=os.cpu_count() or 1,
+        prefill=args.prefill,
+        bootstrap_base_port=args.bootstrap_base_port,
     )
 
 
@@ -109,12 +117,23 @@ def settings_data(
     kv_events: dict[str, Any] = {"enabled": True, "block_size": spec.effective_block_size}
     if tokenizer is not None:
         kv_events["tokenizer"] = tokenizer
-    return {
+    replicas: list[dict[str, Any]] = []
+    for e in launches:
+        entry: dict[str, Any] = {"url": e.url, "kv_events_endpoint": e.events_endpoint}
+        if e.role != "both":
+            entry["role"] = e.role
+        if e.bootstrap_port is not None:
+            entry["bootstrap_port"] = e.bootstrap_port
+        replicas.append(entry)
+    data = {
         "listen": {"host": spec.host, "port": spec.kvlb_port},
-        "replicas": [{"url": e.url, "kv_events_endpoint": e.events_endpoint} for e in launches],
+        "replicas": replicas,
         "policy": {"name": policy},
         "kv_events": kv_events,
     }
+    if spec.prefill:
+        data["disaggregation"] = {"protocol": "vllm" if spec.engine == "vllm" else "sglang"}
+    return data
 
 
 def shell_line(launch: EngineLaunch) -> str:
@@ -177,6 +196,8 @@ def _busy_ports(spec: LaunchSpec) -> list[str]:
     for i in range(spec.replicas):
         # Engines bind their event publishers on every interface.
         wanted += [(spec.host, spec.base_port + i), ("0.0.0.0", spec.events_base_port + i)]
+        if spec.role(i) != "both":
+            wanted.append((spec.host, spec.bootstrap_base_port + i))
     problems = []
     for host, port in wanted:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -24,7 +24,7 @@ import yaml
 from balancer.config import parse_settings
 from balancer.process.cli import main
 from balancer.process.engine_args import LaunchError, LaunchSpec, build_launches
-from balancer.process.launch import CONFIG_MARKER
+from balancer.process.launch import CONFIG_MARKER, settings_data
 from loadtest.procs import stop_process, wait_for_http
 
 KVLB = [sys.executable, "-m", "balancer"]
@@ -113,6 +113,7 @@ def test_simulated_replica_needs_no_model_and_wildcard_hosts_are_reached_on_loop
         (LaunchSpec(engine="replica", replicas=0), "--replicas must be >= 1"),
         (LaunchSpec(engine="replica", gpus_per_replica=0), "--gpus-per-replica must be >= 1"),
         (LaunchSpec(engine="vllm", model="m", cpu=True, block_size=16), "multiple of 32"),
+        (LaunchSpec(engine="replica", replicas=2, prefill=2), "--prefill must leave at least one decode replica"),
     ],
 )  # fmt: skip
 def test_impossible_launches_are_refused_with_the_reason(spec: LaunchSpec, problem: str) -> None:
@@ -262,6 +263,48 @@ async def test_launch_serves_through_simulated_engines_and_stops_them_on_sigint(
         assert code == 0, output
         assert not any(_accepts(p) for p in (kvlb, base, base + 1)), output
         assert not any(_alive(p) for p in pids)
+
+
+def test_disaggregated_launches_give_each_half_its_engine_flags_and_kvlb_its_roles() -> None:
+    sglang = build_launches(LaunchSpec(engine="sglang", model="m", replicas=3, prefill=1))
+    assert [launch.role for launch in sglang] == ["prefill", "decode", "decode"]
+    assert _flag(sglang[0].argv, "--disaggregation-mode") == "prefill"
+    assert _flag(sglang[0].argv, "--disaggregation-bootstrap-port") == str(sglang[0].bootstrap_port)
+    assert _flag(sglang[1].argv, "--disaggregation-mode") == "decode" and sglang[1].bootstrap_port is None
+    vllm = build_launches(LaunchSpec(engine="vllm", model="m", replicas=2, prefill=1))
+    assert all("NixlConnector" in _flag(launch.argv, "--kv-transfer-config") for launch in vllm)
+    assert len({launch.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] for launch in vllm}) == 2
+    spec = LaunchSpec(engine="replica", replicas=2, prefill=1)
+    data = settings_data(spec, build_launches(spec), "predictive", None)
+    assert [r.get("role") for r in data["replicas"]] == ["prefill", "decode"]
+    assert data["replicas"][0]["bootstrap_port"] and data["disaggregation"] == {"protocol": "sglang"}
+    parse_settings(data)  # a configuration kvlb accepts
+
+
+async def test_launch_serves_a_disaggregated_fleet_of_simulated_engines(tmp_path: Path) -> None:
+    base, events, kvlb = _ports(3)
+    bootstrap = random.randrange(20000, 32000)
+    log = tmp_path / "launch.out"
+    args = ["--engine", "replica", "--model", "sim-model", "--replicas", "3", "--prefill", "1",
+            "--base-port", str(base), "--events-base-port", str(events), "--port", str(kvlb),
+            "--bootstrap-base-port", str(bootstrap), "--log-dir", str(tmp_path / "logs"),
+            "--start-timeout-s", "60", "--", "--time-scale", "100"]  # fmt: skip
+    with _launcher(args, log) as proc:
+        url = f"http://127.0.0.1:{kvlb}"
+        try:
+            await wait_for_http(url + "/ready", timeout_s=60)
+        except TimeoutError:
+            pytest.fail(f"kvlb never ready; launcher said:\n{log.read_text()}")
+        decode = {f"127.0.0.1:{base + 1}", f"127.0.0.1:{base + 2}"}
+        async with aiohttp.ClientSession() as http:
+            for i in range(4):
+                body = {"model": "sim-model", "max_tokens": 4, "prompt": f"document {i}: " + "words " * 800}
+                async with http.post(url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    assert resp.headers["x-kvlb-replica"] in decode
+                    assert (await resp.json())["usage"]["completion_tokens"] == 4
+        proc.send_signal(signal.SIGINT)
+        assert await asyncio.to_thread(proc.wait, 15) == 0, log.read_text()
 
 
 def _run_launcher(args: list[str], tmp_path: Path) -> tuple[int, str]:
