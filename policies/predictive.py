@@ -84,6 +84,13 @@ from policies.costs import (
     region_penalties,
 )
 
+# The calibrated decode iteration (docs/calibration.md, llama-3.1-8b on an H100), in ms:
+# the fixed cost of a decode-only iteration, and what each sequence and each context token
+# of the batch add. The defaults here, and the decode replica's price in disaggregation.
+DECODE_ITERATION_MS = 8.3
+DECODE_MS_PER_SEQ = 0.009
+DECODE_MS_PER_CONTEXT_TOKEN = 4.39e-5
+
 
 class PredictivePolicy(Policy):
     """Lowest predicted milliseconds first: this request's wait, its decode, the fleet's work.
@@ -173,9 +180,9 @@ class PredictivePolicy(Policy):
         iteration_ms: float = 5.3,
         prefill_ms_per_token: float = 0.0191,
         attention_ms_per_token2: float = 7.4e-7,
-        decode_ms_per_seq: float = 0.009,
-        decode_ms_per_context_token: float = 4.39e-5,
-        decode_iteration_ms: float = 8.3,
+        decode_ms_per_seq: float = DECODE_MS_PER_SEQ,
+        decode_ms_per_context_token: float = DECODE_MS_PER_CONTEXT_TOKEN,
+        decode_iteration_ms: float = DECODE_ITERATION_MS,
         chunk_tokens: float = 8192,
         decode_weight: float = 0.6,
         fleet_weight: float = 4.0,

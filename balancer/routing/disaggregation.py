@@ -30,14 +30,10 @@ from balancer.errors import ClientError
 from balancer.routing.core import DEFAULT_OUTPUT_TOKENS, Journey, RoutingCore
 from balancer.routing.fleet import Replica
 from policies.base import TTFT_TERM, Choice, RequestFeatures
+from policies.predictive import DECODE_ITERATION_MS, DECODE_MS_PER_CONTEXT_TOKEN, DECODE_MS_PER_SEQ
 
 PREFILL, DECODE, BOTH = "prefill", "decode", "both"
 
-# The decode engine's iteration model (docs/calibration.md, llama-3.1-8b on an H100): fixed
-# ms of a decode-only iteration, ms per sequence in the batch and per context token.
-DECODE_ITERATION_MS = 8.3
-DECODE_MS_PER_SEQ = 0.009
-DECODE_MS_PER_CONTEXT_TOKEN = 4.39e-5
 # What a decode replica without room for the prompt's KV costs on top: it would queue or
 # preempt, for an unknown time.
 NO_ROOM_MS = 1e6
@@ -47,7 +43,6 @@ SPLIT = "disaggregated"
 COLOCATED_CACHED = "colocated_cached"  # too little uncached prompt to be worth a transfer
 COLOCATED_NO_PAIR = "colocated_no_pair"  # one pool had nothing routable
 COLOCATED_FASTER = "colocated_faster"  # a replica serving it alone is predicted to answer sooner
-SINGLE_POOL = "single_pool"  # the fleet has no roles for this model: ordinary routing
 
 
 @dataclass(frozen=True, slots=True)

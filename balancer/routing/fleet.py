@@ -146,6 +146,12 @@ class Fleet:
         self._known_adapters: frozenset[str] = frozenset()
         self.refresh_adapters()
         self._known_models_at = float("-inf")
+        self._count_roles()
+
+    def _count_roles(self) -> None:
+        # Whether any replica has a prefill or decode role: read per request, so a fleet
+        # without disaggregation pays one attribute read, not a walk over its replicas.
+        self.has_roles = any(r.settings.role != "both" for r in self.replicas)
 
     def candidates(
         self, model: str | None, allowed_regions: frozenset[str] | None = None, now: float = 0.0
@@ -227,6 +233,7 @@ class Fleet:
         self.replicas = (*self.replicas, replica)
         self.by_name[replica.name] = replica
         self.refresh_adapters()
+        self._count_roles()
         return replica
 
     def remove(self, name: str) -> Replica:
@@ -235,6 +242,7 @@ class Fleet:
         self.replicas = tuple(r for r in self.replicas if r is not replica)
         replica.draining = True
         self.refresh_adapters()
+        self._count_roles()
         return replica
 
     def released(self, replica: Replica) -> None:

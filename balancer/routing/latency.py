@@ -134,4 +134,3 @@ class LatencyFit:
         self.scale = math.exp(self._log_scale)
         self.last_error = error
         return error
-

@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 
 from balancer.errors import ClientError
 from balancer.routing.core import Journey
 from balancer.routing.fleet import Replica
 from balancer.serving import pd_protocol
-from balancer.serving.proxy import RETRY_STATUSES, Outcome, Proxy, upstream_headers
+from balancer.serving.proxy import RETRY_STATUSES, Outcome, Proxy, failure_kind
 from balancer.serving.usage import counts_of, learnable, parse_json
-from balancer.wire.client import InvalidResponse, UpstreamError
+from balancer.wire.client import UpstreamError
 from balancer.wire.server import Headers, Request
-
-log = logging.getLogger("kvlb.proxy")
 
 # A prefill answer is one token: anything bigger is not one.
 PREFILL_ANSWER_LIMIT = 1 << 20
@@ -37,21 +34,19 @@ class _PairFailed(Exception):
 
 
 class PairForwarder:
-    def __init__(self, proxy: Proxy, protocol: str) -> None:
+    def __init__(self, proxy: Proxy) -> None:
         self.proxy = proxy
-        self.protocol = protocol
 
     async def forward(self, request: Request, prefill: Journey, decode: Journey, request_id: str,
                       outcome: Outcome, extra_headers: Headers | None = None) -> None:
         proxy = self.proxy
         core = proxy.core
         loop = asyncio.get_running_loop()
-        headers = upstream_headers(request, request_id, proxy.id_header)
-        if proxy.replica_authorization is not None:
-            headers = [(n, v) for n, v in headers if n.lower() != "authorization"]
-            headers.append(("Authorization", proxy.replica_authorization))
+        headers = proxy.headers_for_replicas(request, request_id)
+        # Read per request, as the pair was planned: a reload may change it.
+        protocol = proxy.settings.disaggregation.protocol
         data = pd_protocol.parse_object(request.body)
-        pd_protocol.refuse_reserved(data, self.protocol)
+        pd_protocol.refuse_reserved(data, protocol)
         failures: list[str] = []
         outcome.attempts = decode.attempts
         while True:
@@ -65,7 +60,7 @@ class PairForwarder:
             outcome.replica = d.name
             answered = False
             try:
-                answered = await self._pair(request, data, headers, prefill, decode, p, d,
+                answered = await self._pair(protocol, request, data, headers, prefill, decode, p, d,
                                             request_id, outcome, extra_headers)
                 return
             except _PairFailed as failed:
@@ -81,10 +76,11 @@ class PairForwarder:
         raise ClientError(502, f"all {len(failures)} pair(s) failed: " + "; ".join(failures),
                           "upstream_failed", type_="upstream_error")
 
-    async def _pair(self, request: Request, data: dict, headers: Headers, prefill: Journey, decode: Journey,
+    async def _pair(self, protocol: str, request: Request, data: dict, headers: Headers, prefill: Journey,
+                    decode: Journey,
                     p: Replica, d: Replica, request_id: str, outcome: Outcome,
                     extra_headers: Headers | None) -> bool:
-        if self.protocol == "sglang":
+        if protocol == "sglang":
             port = p.settings.bootstrap_port
             if port is None:
                 raise _PairFailed("prefill", p, "no_bootstrap_port")
@@ -114,9 +110,7 @@ class PairForwarder:
             resp = await proxy.pool.request(replica.url, request.method, request.target, headers, body,
                                             timeouts.first_byte_s)
         except (TimeoutError, OSError) as exc:
-            kind = ("timeout" if isinstance(exc, TimeoutError)
-                    else "invalid_response" if isinstance(exc, InvalidResponse) else "connect_error")
-            raise _PairFailed("prefill", replica, kind) from None
+            raise _PairFailed("prefill", replica, failure_kind(exc)) from None
         try:
             if resp.status != 200:
                 raise _PairFailed("prefill", replica, f"http_{resp.status}")
@@ -149,9 +143,7 @@ class PairForwarder:
                     raise prefill_leg.exception()  # type: ignore[misc]
             resp = await sent
         except (TimeoutError, OSError) as exc:
-            kind = ("timeout" if isinstance(exc, TimeoutError)
-                    else "invalid_response" if isinstance(exc, InvalidResponse) else "connect_error")
-            raise _PairFailed("decode", replica, kind) from None
+            raise _PairFailed("decode", replica, failure_kind(exc)) from None
         finally:
             if not sent.done():
                 sent.cancel()

@@ -65,7 +65,7 @@ class Forwarder:
         self.fleet = core.fleet
         self.admission = admission
         self.proxy = proxy
-        self.pairs = PairForwarder(proxy, settings.disaggregation.protocol)
+        self.pairs = PairForwarder(proxy)
         self.metrics = metrics
         self.ids = ids
         self.prompt_tokens = prompt_tokens
@@ -246,45 +246,32 @@ class Forwarder:
                 prompt = await tokenize_remotely(
                     session, candidates[0], features.prompt, authorization, self.settings.kv_events.tokenize_timeout_s
                 )
-        if has_roles(candidates):
-            await self._forward_split(request, route, request_id, outcome, features, prompt, candidates,
-                                      parse_s, ticket)
-            return
-        journey, extra = self._plan(request, route, request_id, outcome, features, prompt, candidates, parse_s)
-        self._placed(ticket)
-        await self.proxy.forward(request, journey, request_id, outcome, extra)
-
-    def _plan(self, request: Request, route: str, request_id: str, outcome: Outcome, features: RequestFeatures,
-              prompt: str | Sequence[int] | None, candidates: Sequence[Replica],
-              parse_s: float) -> tuple[Journey, list[tuple[str, str]] | None]:
-        """The core's decision, timed, traced and explained: the journey, and the route header."""
-        rank_began = time.perf_counter()
-        journey = self.core.plan(route, features, prompt, candidates, request.header(self._region_header))
-        self.metrics.observe_decision(route, parse_s + time.perf_counter() - rank_began)
-        if outcome.trace is not None:
-            outcome.trace.decision(features.model, len(candidates), journey.ranking)
-        ranking = journey.ranking
-        explained = explain(ranking) if self._route_header or log.isEnabledFor(logging.DEBUG) else None
-        if explained is not None:
-            log.debug("request %s %s model %s: %s", request_id, route, features.model, explained)
-        return journey, [(ROUTE_HEADER, explained)] if self._route_header and explained else None
-
-    def _placed(self, ticket: Ticket | None) -> None:
+        journey, decode, extra = self._decide(request, route, request_id, outcome, features, prompt, candidates,
+                                              parse_s)
         if ticket is not None and ticket.reserved:
             assert self.core.flow is not None
             self.core.flow.placed(ticket)  # its first attempt takes the slot it was given
+        if decode is None:
+            await self.proxy.forward(request, journey, request_id, outcome, extra)
+        else:
+            await self.pairs.forward(request, journey, decode, request_id, outcome, extra)
 
-    async def _forward_split(self, request: Request, route: str, request_id: str, outcome: Outcome,
-                             features: RequestFeatures, prompt: str | Sequence[int] | None,
-                             candidates: Sequence[Replica], parse_s: float, ticket: Ticket | None) -> None:
-        """A fleet with prefill and decode roles: a pair, or one replica when a pair is not
-        worth it or there is none (balancer/routing/disaggregation.py)."""
+    def _decide(self, request: Request, route: str, request_id: str, outcome: Outcome, features: RequestFeatures,
+                prompt: str | Sequence[int] | None, candidates: Sequence[Replica],
+                parse_s: float) -> tuple[Journey, Journey | None, list[tuple[str, str]] | None]:
+        """The core's decision, timed, traced and explained: the journey, the decode half's
+        when the request is split between a prefill and a decode replica (candidates with
+        roles: balancer/routing/disaggregation.py), and the route header."""
         rank_began = time.perf_counter()
-        plan = plan_split(self.core, route, features, prompt, candidates, self.settings.disaggregation,
-                          request.header(self._region_header))
+        origin = request.header(self._region_header)
+        decode = None
+        if self.fleet.has_roles and has_roles(candidates):
+            plan = plan_split(self.core, route, features, prompt, candidates, self.settings.disaggregation, origin)
+            self.metrics.disaggregation[plan.outcome] += 1
+            journey, decode = plan.journey, plan.decode
+        else:
+            journey = self.core.plan(route, features, prompt, candidates, origin)
         self.metrics.observe_decision(route, parse_s + time.perf_counter() - rank_began)
-        self.metrics.disaggregation[plan.outcome] += 1
-        journey, decode = plan.journey, plan.decode
         if outcome.trace is not None:
             outcome.trace.decision(features.model, len(candidates), journey.ranking)
         explained = explain(journey.ranking) if self._route_header or log.isEnabledFor(logging.DEBUG) else None
@@ -292,12 +279,7 @@ class Forwarder:
             explained = f"prefill: {explained}; decode: {explain(decode.ranking)}"
         if explained is not None:
             log.debug("request %s %s model %s: %s", request_id, route, features.model, explained)
-        extra = [(ROUTE_HEADER, explained)] if self._route_header and explained else None
-        self._placed(ticket)
-        if decode is None:
-            await self.proxy.forward(request, journey, request_id, outcome, extra)
-            return
-        await self.pairs.forward(request, journey, decode, request_id, outcome, extra)
+        return journey, decode, [(ROUTE_HEADER, explained)] if self._route_header and explained else None
 
 
 def slo_seconds(header: str) -> float:

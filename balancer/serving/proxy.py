@@ -118,6 +118,13 @@ def upstream_headers(request: Request, request_id: str, id_header: str) -> Heade
     return out
 
 
+def failure_kind(exc: OSError | TimeoutError) -> str:
+    """How an attempt that got no response failed, for metrics and the breaker."""
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    return "invalid_response" if isinstance(exc, InvalidResponse) else "connect_error"
+
+
 def _retry_after_seconds(value: str | None) -> float | None:
     """Retry-After as seconds (RFC 9110 §10.2.3 delay-seconds; an HTTP date is ignored)."""
     if not value:
@@ -167,11 +174,7 @@ class Proxy:
         """`extra_headers` go on the answer."""
         first_byte_s = self.settings.timeouts.first_byte_s
         core = self.core
-        headers = upstream_headers(request, request_id, self.id_header)
-        if self.replica_authorization is not None:
-            # The replicas' own key replaces the client's, which then never leaves kvlb.
-            headers = [(n, v) for n, v in headers if n.lower() != "authorization"]
-            headers.append(("Authorization", self.replica_authorization))
+        headers = self.headers_for_replicas(request, request_id)
         failures: list[str] = []
         loop = asyncio.get_running_loop()
         retry_after: float | None = None
@@ -192,8 +195,7 @@ class Proxy:
                         replica.url, request.method, request.target, sent, request.body, first_byte_s
                     )
                 except (TimeoutError, OSError) as exc:
-                    kind = attempt = ("timeout" if isinstance(exc, TimeoutError)
-                                      else "invalid_response" if isinstance(exc, InvalidResponse) else "connect_error")
+                    kind = attempt = failure_kind(exc)
                     failures.append(f"{replica.name}: {kind} ({exc.__class__.__name__})")
                     self._failed(journey, kind, loop.time())
                     continue
@@ -239,6 +241,15 @@ class Proxy:
             type_="upstream_error",
             retry_after=None if retry_after is None else max(1, round(retry_after)),
         )
+
+    def headers_for_replicas(self, request: Request, request_id: str) -> Headers:
+        """What every attempt sends: the client's end-to-end headers and the request id,
+        with the replicas' own key in place of the client's, which then never leaves kvlb."""
+        headers = upstream_headers(request, request_id, self.id_header)
+        if self.replica_authorization is not None:
+            headers = [(n, v) for n, v in headers if n.lower() != "authorization"]
+            headers.append(("Authorization", self.replica_authorization))
+        return headers
 
     def _failed(self, journey: Journey, kind: str, now: float) -> None:
         replica = journey.replica

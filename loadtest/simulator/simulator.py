@@ -426,7 +426,7 @@ class Simulator:
                 return
             prompt = self.token_ids.of(parsed.tokens)
         decode = None
-        if has_roles(candidates):
+        if self.fleet.has_roles and has_roles(candidates):
             try:
                 split = plan_split(core, request.route, features, prompt, candidates, self.disaggregation, self.region)
             except ClientError as exc:

@@ -229,6 +229,16 @@ def _launcher(args: list[str], log: Path) -> Iterator[subprocess.Popen]:
                 os.killpg(pid, signal.SIGKILL)
 
 
+async def _ready(kvlb: int, log: Path) -> str:
+    """kvlb's URL once the launch serves, or the test fails with what the launcher said."""
+    url = f"http://127.0.0.1:{kvlb}"
+    try:
+        await wait_for_http(url + "/ready", timeout_s=60)
+    except TimeoutError:
+        pytest.fail(f"kvlb never ready; launcher said:\n{log.read_text()}")
+    return url
+
+
 async def test_launch_serves_through_simulated_engines_and_stops_them_on_sigint(tmp_path: Path) -> None:
     base, events, kvlb = _ports(2)
     log = tmp_path / "launch.out"
@@ -237,11 +247,7 @@ async def test_launch_serves_through_simulated_engines_and_stops_them_on_sigint(
             "--log-dir", str(tmp_path / "logs"), "--start-timeout-s", "60",
             "--", "--time-scale", "1000"]  # fmt: skip
     with _launcher(args, log) as proc:
-        url = f"http://127.0.0.1:{kvlb}"
-        try:
-            await wait_for_http(url + "/ready", timeout_s=60)
-        except TimeoutError:
-            pytest.fail(f"kvlb never ready; launcher said:\n{log.read_text()}")
+        url = await _ready(kvlb, log)
         names = {f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"}
         served = set()
         async with aiohttp.ClientSession() as http:
@@ -290,11 +296,7 @@ async def test_launch_serves_a_disaggregated_fleet_of_simulated_engines(tmp_path
             "--bootstrap-base-port", str(bootstrap), "--log-dir", str(tmp_path / "logs"),
             "--start-timeout-s", "60", "--", "--time-scale", "100"]  # fmt: skip
     with _launcher(args, log) as proc:
-        url = f"http://127.0.0.1:{kvlb}"
-        try:
-            await wait_for_http(url + "/ready", timeout_s=60)
-        except TimeoutError:
-            pytest.fail(f"kvlb never ready; launcher said:\n{log.read_text()}")
+        url = await _ready(kvlb, log)
         decode = {f"127.0.0.1:{base + 1}", f"127.0.0.1:{base + 2}"}
         async with aiohttp.ClientSession() as http:
             for i in range(4):

@@ -106,8 +106,8 @@ def test_samples_that_teach_nothing_are_ignored(observed: float, model: float) -
     assert fit.scale == 1.0 and fit.samples == 0
 
 
-def _core(now: list[float]) -> tuple[RoutingCore, Fleet]:
-    fleet = Fleet([ReplicaSettings(url="http://127.0.0.1:9001", name="r")])
+def _core(now: list[float], names: tuple[str, ...] = ("r",)) -> tuple[RoutingCore, Fleet]:
+    fleet = Fleet([ReplicaSettings(url=f"http://127.0.0.1:{9001 + i}", name=name) for i, name in enumerate(names)])
     core = RoutingCore(fleet, make_policy("predictive"), CacheTracker(RoutingSettings(), lambda: now[0]),
                        AdmissionQueue(8, 8), CoreSettings(), call_at=lambda when, cb: None)
     return core, fleet
@@ -183,9 +183,7 @@ def test_a_first_sample_starts_from_the_fleets_median_not_the_profile() -> None:
 
 def test_the_core_gives_a_new_replica_the_fleets_median_fit() -> None:
     now = [0.0]
-    fleet = Fleet([ReplicaSettings(url=f"http://127.0.0.1:900{i}", name=f"r{i}") for i in range(2)])
-    core = RoutingCore(fleet, make_policy("predictive"), CacheTracker(RoutingSettings(), lambda: now[0]),
-                       AdmissionQueue(8, 8), CoreSettings(), call_at=lambda when, cb: None)
+    core, fleet = _core(now, ("r0", "r1"))
     old, new = fleet.replicas
     for _ in range(30):
         old.latency.observe(10.0, 100.0)
@@ -198,9 +196,7 @@ def test_the_core_gives_a_new_replica_the_fleets_median_fit() -> None:
 
 def test_a_replica_priced_out_as_slow_is_tried_again_once_its_evidence_fades() -> None:
     now = [0.0]
-    fleet = Fleet([ReplicaSettings(url=f"http://127.0.0.1:900{i}", name=f"r{i}") for i in range(2)])
-    core = RoutingCore(fleet, make_policy("predictive"), CacheTracker(RoutingSettings(), lambda: now[0]),
-                       AdmissionQueue(8, 8), CoreSettings(), call_at=lambda when, cb: None)
+    core, fleet = _core(now, ("r0", "r1"))
     slow, healthy = fleet.replicas
     for _ in range(20):
         healthy.latency.observe(100.0, 100.0, confirmable=True, now=0.0)
