@@ -77,8 +77,7 @@ class Balancer:
             self.sync = StateSync(settings.sync, self.fleet, self.tracker)
             self.metrics.registry.register(SyncCollector(self.sync.stats))
             if self.core.flow is not None:
-                self.sync.flow_share = FlowShare(self.core.flow, settings.sync.key_prefix, self.sync.instance_id,
-                                                 settings.sync.load_ttl_s, self.sync.stats)
+                self.sync.flow_share = FlowShare(self.core.flow, self.sync)
         key = replica_key(settings.auth)
         self.proxy = Proxy(
             settings, self.metrics, self.pool, self.core,
@@ -106,6 +105,8 @@ class Balancer:
             self.metrics.registry.register(self.adapters)
         if self.forwarder.flow is not None:
             self.metrics.registry.register(self.forwarder.flow.metrics)
+            if self.sync is not None and self.sync.flow_share is not None:
+                self.sync.flow_share.on_room = self.forwarder.flow.room_freed
         self.fleet_endpoints = FleetEndpoints(
             self.core, lambda: self.session, min(settings.timeouts.first_byte_s, 30.0),
             self.proxy.replica_authorization, self.admin.authorize if self.admin.enabled else None,

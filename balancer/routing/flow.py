@@ -23,6 +23,10 @@ While requests wait:
   queue first pushes out what matters least: a queued request of a lower class (sheddable
   classes first), else the newest request of the tenant holding the largest share of the
   class's queue, so a flooding tenant fills only its own part.
+- **Instances** sharing Redis order waiters by each tenant's service on all of them, and a
+  place that frees here goes to a peer instead (`hand_off`, set by the driver) when a
+  tenant waiting only there is in a higher class than the next request here, or has had
+  less service by more than that request's cost, or when nothing waits here.
 - **Targets**: a request with a TTFT target is refused at once when the predicted wait (the
   requests that go before it, over the rate places have been freeing) plus its own time to
   first token once dispatched already exceeds it; once queued it waits no longer than its
@@ -147,6 +151,9 @@ class _Class:
     remote: dict[str, float] = field(default_factory=dict)
     remote_queued: dict[str, int] = field(default_factory=dict)
     remote_at: float = 0.0
+    # Per tenant waiting elsewhere, the instance where most of its requests wait: where a
+    # place handed off for it goes.
+    remote_where: dict[str, str] = field(default_factory=dict)
 
 
 class FlowController:
@@ -187,6 +194,12 @@ class FlowController:
         self._completions: deque[float] = deque(maxlen=RATE_WINDOW)
         self.ttft_estimate_s = 0.0  # after dispatch, learned from answers (`first_byte`)
         self.remote_peers = 0  # instances whose shares count here (watchers/flow_share.py)
+        self.remote_waiting = 0  # requests waiting on those instances, all classes
+        # Set by the driver where instances share: (peer, model) -> whether a place on a
+        # replica of `model` was handed to that peer (and is counted as taken here).
+        self.hand_off: Callable[[str, str | None], bool] | None = None
+        self.handed_off = 0  # places handed to peers
+        self.places_received = 0  # and from them
 
     # -- who the request is --------------------------------------------------------------
 
@@ -278,7 +291,11 @@ class FlowController:
         elif ticket.state == QUEUED:
             self._remove(ticket, now)
         ticket.state = ENDED
-        return self.pump(now) if self.queued else NOTHING
+        if self.queued:
+            return self.pump(now)
+        if self.remote_waiting and self.hand_off is not None:
+            self._hand_idle(ticket.model, ticket.cost, now)
+        return NOTHING
 
     def withdraw(self, ticket: Ticket, now: float) -> Sequence[Ticket]:
         """The client left: same as `done`."""
@@ -312,6 +329,10 @@ class FlowController:
                 # at once rather than waiting for the next request to end.
                 full.add(model)
                 continue
+            if self.remote_waiting and self.hand_off is not None:
+                elsewhere = self._needier_elsewhere(ticket, now)
+                if elsewhere is not None and self._hand(*elsewhere, model, ticket.cost, now):
+                    continue  # that place counts as taken now; the next is looked at
             self._dispatch(ticket, now)
             woken.append(ticket)
         return woken
@@ -329,19 +350,91 @@ class FlowController:
                     out.append([klass.spec.name, name, attained, len(tenant.queue)])
         return out
 
-    def set_remote(self, shares: Mapping[tuple[str, str], tuple[float, int]], now: float, peers: int) -> None:
+    def set_remote(self, shares: Mapping[tuple[str, str], tuple[float, int]], now: float, peers: int,
+                   where: Mapping[tuple[str, str], str] | None = None) -> None:
         """The other instances' shares together, as of `now`: per (class, tenant) the
-        attained service and the requests waiting. Empty: enforce locally."""
+        attained service and the requests waiting, and `where` the instance holding most of
+        those. Empty: enforce locally."""
         for klass in self.classes:
-            klass.remote, klass.remote_queued, klass.remote_at = {}, {}, now
+            klass.remote, klass.remote_queued, klass.remote_at, klass.remote_where = {}, {}, now, {}
+        waiting = 0
         for (class_name, tenant), (attained, queued) in shares.items():
             klass = self.by_name.get(class_name)
             if klass is None or len(klass.remote) >= self.max_tenants:
                 continue  # a class this instance does not have; or more tenants than it keeps
             klass.remote[tenant] = attained
-            if queued:
+            peer = where.get((class_name, tenant)) if where is not None else None
+            if queued and peer is not None:
                 klass.remote_queued[tenant] = queued
+                klass.remote_where[tenant] = peer
+                waiting += queued
         self.remote_peers = peers
+        self.remote_waiting = waiting
+
+    def _needier_elsewhere(self, ticket: Ticket, now: float) -> tuple[_Class, str] | None:
+        """A tenant waiting on another instance that one fair share would serve before
+        `ticket`: in a higher class (unless `ticket`'s class has a share reserved), or in its
+        class with less service than `ticket`'s tenant by more than this request's cost, so
+        that views a little stale on either side do not hand places back and forth."""
+        own = self.by_name[ticket.klass]
+        for klass in self.classes:
+            if klass.rank > own.rank:
+                return None
+            if not klass.remote_queued or (klass is not own and own.spec.reserved_share > 0):
+                continue
+            if klass is not own:
+                return klass, min(klass.remote_queued, key=lambda name: self._service(klass, name, now))
+            tenant = own.tenants[ticket.tenant]
+            least = self._attained(tenant, now, own, ticket.tenant) - ticket.cost / tenant.weight
+            best = None
+            for name in own.remote_queued:
+                local = own.tenants.get(name)
+                if name == ticket.tenant or (local is not None and local.queue):
+                    continue  # waiting here too: this instance's own order already counts it
+                service = self._service(own, name, now)
+                if service < least:
+                    best, least = name, service
+            return (own, best) if best is not None else None
+        return None
+
+    def _hand_idle(self, model: str | None, cost: float, now: float) -> None:
+        """Nothing waits here: the place that just freed goes to the least served tenant
+        waiting elsewhere, highest class first, rather than idling until that instance
+        hears of it."""
+        free = self._free_slots(model, now) - self._reserved.get(model, 0)
+        while free > 0 and self.remote_waiting:
+            klass = next((c for c in self.classes if c.remote_queued), None)
+            if klass is None:
+                return
+            name = min(klass.remote_queued, key=lambda n: self._service(klass, n, now))
+            if not self._hand(klass, name, model, cost, now):
+                return
+            free -= 1
+
+    def _hand(self, klass: _Class, name: str, model: str | None, cost: float, now: float) -> bool:
+        """Hands a place to the instance where `name` waits, and counts there, until the next
+        exchange says otherwise, one request fewer waiting and the service of a request like
+        the one it came from (`cost`: what is known here of the peer's requests is their number)."""
+        hand_off = self.hand_off
+        if hand_off is None or not hand_off(klass.remote_where[name], model):
+            return False
+        self.handed_off += 1
+        left = klass.remote_queued[name] - 1
+        if left:
+            klass.remote_queued[name] = left
+        else:
+            del klass.remote_queued[name]
+        self.remote_waiting -= 1
+        # Unfaded since the exchange: it is at most an interval old, against a window of seconds.
+        klass.remote[name] = klass.remote.get(name, 0.0) + cost / self._policy(name).weight
+        return True
+
+    def _service(self, klass: _Class, name: str, now: float) -> float:
+        """A tenant's attained service on all instances, whether or not it is known here."""
+        local = klass.tenants.get(name)
+        if local is not None:
+            return self._attained(local, now, klass, name)
+        return klass.remote.get(name, 0.0) * math.exp(-max(now - klass.remote_at, 0.0) / self.fairness_window_s)
 
     # -- reading ----------------------------------------------------------------------------
 

@@ -41,6 +41,13 @@ class FlowGate:
         request ends through it, so one frame fewer)."""
         self._wake(woken, ())
 
+    def room_freed(self) -> None:
+        """Room this instance's own requests did not free (a place another instance handed
+        here): the line is looked at now rather than at the next pump."""
+        flow = self.flow
+        if flow.queued:
+            self._wake(flow.pump(asyncio.get_running_loop().time()), ())
+
     async def wait(self, ticket: Ticket) -> None:
         """Until its turn comes; raises its refusal."""
         if ticket.state == RUNNING:  # dispatched at once, by the call that queued it

@@ -96,6 +96,13 @@ class FlowMetrics(Collector):
         yield GaugeMetricFamily(
             "kvlb_flow_shared_peers", "Other instances whose tenants' shares flow control counts (through "
             "Redis, sync.redis_url); 0: it enforces on this instance's own state", value=self.flow.remote_peers)
+        handed = CounterMetricFamily(
+            "kvlb_flow_places_handed", "Places on replicas handed between instances because a tenant "
+            "waiting on the other should go next, by direction (sent: given away; received)",
+            labels=["direction"])
+        handed.add_metric(["sent"], self.flow.handed_off)
+        handed.add_metric(["received"], self.flow.places_received)
+        yield handed
         queued = GaugeMetricFamily("kvlb_flow_queued_requests", "Requests waiting in flow control now",
                                    labels=["class"])
         for name in self.flow.by_name:

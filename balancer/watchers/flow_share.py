@@ -4,6 +4,15 @@
 controller then orders its own waiters by the tenants' service on every instance together,
 and bounds a tenant's waiting requests across all of them.
 
+A place that frees goes first to the instance whose waiting tenant one fair share would
+serve next: when a tenant waiting on a peer is in a higher class than this instance's next
+request, or has had less service by more than that request's cost (or nothing waits here at
+all), the place is handed to that peer on its Redis channel `<prefix>:flow-places:<id>`:
+a replica with room, which this instance then counts as taken and the peer as free until
+their next load snapshots say so (`StateSync.lend`, `StateSync.credit`). Without it, a
+place went back to its own instance's line before a peer heard of it, and with requests
+shorter than the exchange the instance serving only a flooding tenant kept its places.
+
 It is approximate by the exchange interval: what a peer admitted since its last snapshot is
 not counted yet. When Redis is away, or a peer's snapshot lapses, its share leaves the sum and
 each instance enforces on its own state (`kvlb_flow_shared_peers` drops to 0).
@@ -12,17 +21,25 @@ each instance enforces on its own state (`kvlb_flow_shared_peers` drops to 0).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from redis.exceptions import RedisError
 
 from balancer.routing.flow import FlowController
 
 if TYPE_CHECKING:
-    from balancer.watchers.sync import SyncStats
+    from balancer.routing.fleet import Replica
+    from balancer.watchers.sync import StateSync
+
+# Hand-offs on their way to Redis at once: beyond, a place stays with its own instance.
+MAX_SENDING = 64
+# How long the channel's reader waits for a message before looking again.
+LISTEN_S = 1.0
 
 
 class MalformedShare(ValueError):
@@ -30,15 +47,22 @@ class MalformedShare(ValueError):
 
 
 class FlowShare:
-    def __init__(self, flow: FlowController, key_prefix: str, instance_id: str, ttl_s: float,
-                 stats: SyncStats) -> None:
-        """`stats`: the sync's counters, where a peer's unreadable share is counted
-        (`kvlb_sync_malformed_entries_total`)."""
+    def __init__(self, flow: FlowController, sync: StateSync) -> None:
+        """`sync`: the state sync this rides on: its Redis, its peers' load (where a handed
+        place is counted) and its counters (a peer's unreadable share or hand-off counts in
+        `kvlb_sync_malformed_entries_total`)."""
         self.flow = flow
+        self.sync = sync
+        key_prefix, instance_id = sync.settings.key_prefix, sync.instance_id
         self.prefix = f"{key_prefix}:flow:"
         self.key = self.prefix + instance_id
-        self.ttl_ms = int(ttl_s * 1000)
-        self.stats = stats
+        self.places_prefix = f"{key_prefix}:flow-places:"
+        self.instance_id = instance_id
+        self.ttl_ms = int(sync.settings.load_ttl_s * 1000)
+        self.stats = sync.stats
+        self.on_room: Callable[[], None] | None = None  # a handed place arrived: look at the line
+        self._sending: set[asyncio.Task[None]] = set()
+        flow.hand_off = self.hand_off
 
     async def exchange(self, redis: Any) -> None:
         """Publish this instance's share, then take the peers' (one SET, a SCAN, one MGET)."""
@@ -50,13 +74,15 @@ class FlowShare:
         keys = [key async for key in redis.scan_iter(match=self.prefix + "*", count=1000) if key != own]
         raws = await redis.mget(keys) if keys else []
         totals: dict[tuple[str, str], tuple[float, int]] = {}
+        where: dict[tuple[str, str], tuple[int, str]] = {}
         peers = 0
-        for raw in raws:
+        for key, raw in zip(keys, raws, strict=True):
             if raw is None:
                 continue  # lapsed between the scan and the read
             try:
                 taken, shares = _share_of(raw)
-            except MalformedShare:
+                peer = key[len(self.prefix):].decode()
+            except (MalformedShare, UnicodeDecodeError):
                 self.stats.malformed += 1
                 continue
             peers += 1
@@ -65,7 +91,67 @@ class FlowShare:
             for class_name, tenant, attained, queued in shares:
                 before = totals.get((class_name, tenant), (0.0, 0))
                 totals[(class_name, tenant)] = (before[0] + attained * fade, before[1] + queued)
-        flow.set_remote(totals, now, peers)
+                if queued > where.get((class_name, tenant), (0, ""))[0]:
+                    where[(class_name, tenant)] = (queued, peer)
+        flow.set_remote(totals, now, peers, {name: peer for name, (_, peer) in where.items()})
+
+    # -- places handed between instances ---------------------------------------------------
+
+    def hand_off(self, peer: str, model: str | None) -> bool:
+        """Gives `peer` a place on a replica of `model` with room here (the controller's
+        `hand_off`). False: none to give, or too many on their way; the place stays."""
+        sync = self.sync
+        if len(self._sending) >= MAX_SENDING or not sync.can_lend():
+            return False
+        loop = asyncio.get_running_loop()
+        replica = _roomiest(sync.fleet.routable(model, None, loop.time()))
+        if replica is None:
+            return False
+        sync.lend(peer, replica.name)
+        task = loop.create_task(self._send(peer, replica.name, time.time()))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+        return True
+
+    async def _send(self, peer: str, replica: str, sent_at: float) -> None:
+        message = orjson.dumps({"r": replica, "t": sent_at, "f": self.instance_id})
+        try:
+            heard = await self.sync.redis.publish(self.places_prefix + peer, message)
+        except (RedisError, OSError, TimeoutError):
+            heard = 0
+        if not heard:
+            self.sync.unlend(peer, replica)  # nobody took it: the place is this instance's again
+
+    async def listen(self, redis: Any) -> None:
+        """Takes the places peers hand here, for ever (the sync restarts it after an outage)."""
+        pubsub = redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(self.places_prefix + self.instance_id)
+            while True:
+                message = await pubsub.get_message(timeout=LISTEN_S)
+                if message is not None:
+                    self.take(message.get("data"))
+        finally:
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                await pubsub.aclose()
+
+    def take(self, raw: Any) -> None:
+        """One handed place: counted free here until the giver's next snapshot, then the
+        line is looked at."""
+        try:
+            data = orjson.loads(raw)
+            replica, sent_at, giver = data["r"], data["t"], data["f"]
+            if type(replica) is not str or type(sent_at) not in (int, float) or type(giver) is not str:
+                raise ValueError("not {r: replica, t: time, f: instance}")
+        except (ValueError, TypeError, KeyError):
+            self.stats.malformed += 1
+            return
+        if replica not in self.sync.fleet.by_name:
+            return  # a replica this instance does not route to
+        self.sync.credit(giver, replica, float(sent_at))
+        self.flow.places_received += 1
+        if self.on_room is not None:
+            self.on_room()
 
     def forget(self) -> None:
         """Redis is away: each instance on its own."""
@@ -73,6 +159,17 @@ class FlowShare:
 
     async def leave(self, redis: Any) -> None:
         await redis.delete(self.key)
+
+
+def _roomiest(replicas: Iterable[Replica]) -> Replica | None:
+    """The capped replica with the most room: a replica without a cap has no places to hand
+    (requests wait there for `limits.max_in_flight`, which is each instance's own)."""
+    best, most = None, 0
+    for replica in replicas:
+        cap = replica.max_concurrency
+        if cap is not None and not replica.draining and cap - replica.in_flight > most:
+            best, most = replica, cap - replica.in_flight
+    return best
 
 
 def _share_of(raw: Any) -> tuple[float, Iterable[tuple[str, str, float, int]]]:

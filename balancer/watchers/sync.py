@@ -15,7 +15,9 @@ Three things travel, all in background tasks; a request never waits for Redis:
   a batch interval. A replica's load is this instance's own plus the peers' newest
   snapshots (`Replica.set_remote_load`).
 - Flow control's shares, with the load: each tenant's attained service and waiting requests
-  (`watchers/flow_share.py`).
+  (`watchers/flow_share.py`), and places handed to a peer whose tenant should go next, on
+  that peer's channel: a handed place counts as taken here and free there until the
+  next snapshots show it (`lend`, `credit`).
 - Membership. That key is also the heartbeat: an instance that dies stops refreshing it, and
   its load vanishes from everyone's view within `load_ttl_s`.
 
@@ -66,6 +68,8 @@ WARN_EVERY_S = 60.0
 # The lag histogram's upper bounds, seconds: decisions should reach peers within milliseconds.
 LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, float("inf"))
 RETRY_S = (0.2, 0.5, 1.0, 2.0)
+# Places handed to peers, and from them, not yet shown by a snapshot: beyond, none is handed.
+MAX_HANDED = 256
 
 
 class MalformedEntry(ValueError):
@@ -162,6 +166,12 @@ class StateSync:
             tracker.on_record = self.routed
         # Flow control's shares ride on the load exchange (watchers/flow_share.py).
         self.flow_share: FlowShare | None = None
+        # Places on replicas handed to a peer: [peer, replica, its snapshots read since,
+        # expiry]; counted as the peer's until its second snapshot after, which shows it.
+        self._lent: list[list[Any]] = []
+        # Places peers handed here: [peer, replica, its wall time then, expiry]; counted
+        # free until a snapshot the giver took after that, which shows it.
+        self._credited: list[list[Any]] = []
 
     # -- the request path: an append, nothing more ---------------------------------------
 
@@ -179,6 +189,9 @@ class StateSync:
             loop.create_task(self._keep(self._publish_once, self.settings.publish_interval_s)),
             loop.create_task(self._keep(self._exchange_load, self.settings.load_interval_s)),
         ]
+        if self.flow_share is not None:
+            share = self.flow_share
+            self._tasks.append(loop.create_task(self._keep(lambda: share.listen(self.redis), 0.0)))
         # Peers' streams carry their load too, so they are read whatever the policy.
         self._tasks.append(loop.create_task(self._keep(self._consume_once, 0.0)))
 
@@ -336,6 +349,43 @@ class StateSync:
         known = self._peer_loads.get(peer)
         if known is None or taken >= known[0]:
             self._peer_loads[peer] = (taken, load)
+            if self._lent or self._credited:
+                self._settle(peer, taken)
+
+    # -- places handed between instances (flow control) -----------------------------------
+
+    def can_lend(self) -> bool:
+        return len(self._lent) < MAX_HANDED
+
+    def lend(self, peer: str, replica: str) -> None:
+        """A place on `replica` handed to `peer`: taken, as far as this instance can tell."""
+        self._lent.append([peer, replica, 0, time.monotonic() + self.settings.load_ttl_s])
+        self._apply_peer_loads()
+
+    def unlend(self, peer: str, replica: str) -> None:
+        for i, (to, name, _, _) in enumerate(self._lent):
+            if to == peer and name == replica:
+                del self._lent[i]
+                self._apply_peer_loads()
+                return
+
+    def credit(self, peer: str, replica: str, sent_at: float) -> None:
+        """A place on `replica` that `peer` handed here at its `sent_at`: free, until its
+        load says so itself."""
+        if len(self._credited) >= MAX_HANDED:
+            del self._credited[0]
+        self._credited.append([peer, replica, sent_at, time.monotonic() + self.settings.load_ttl_s])
+        self._apply_peer_loads()
+
+    def _settle(self, peer: str, taken: float) -> None:
+        """A snapshot `peer` took at `taken` has been kept: it shows the places it handed here
+        before that; the places handed to it show from its second snapshot read after (the
+        first may have left before it took them)."""
+        self._credited = [c for c in self._credited if c[0] != peer or c[2] > taken]
+        for lent in self._lent:
+            if lent[0] == peer:
+                lent[2] += 1
+        self._lent = [lent for lent in self._lent if lent[2] < 2]
 
     def _apply_peer_loads(self) -> None:
         totals: dict[str, list[int]] = {}
@@ -344,9 +394,23 @@ class StateSync:
                 total = totals.setdefault(name, [0, 0, 0])
                 for i in range(3):
                     total[i] += counts[i]
+        if self._lent or self._credited:
+            self._handed_into(totals)
         for replica in self.fleet.replicas:
             replica.set_remote_load(*totals.get(replica.name, (0, 0, 0)))
         self.stats.peers = len(self._peer_loads)
+
+    def _handed_into(self, totals: dict[str, list[int]]) -> None:
+        """Adds the places handed away and takes off those handed here; a hand-off no
+        snapshot has shown within `load_ttl_s` is dropped."""
+        now = time.monotonic()
+        self._lent = [lent for lent in self._lent if lent[3] > now]
+        self._credited = [c for c in self._credited if c[3] > now]
+        for _, name, _, _ in self._lent:
+            totals.setdefault(name, [0, 0, 0])[0] += 1
+        for _, name, _, _ in self._credited:
+            total = totals.setdefault(name, [0, 0, 0])
+            total[0] = max(total[0] - 1, 0)
 
     async def _exchange_load(self) -> None:
         ttl_ms = int(self.settings.load_ttl_s * 1000)
@@ -391,6 +455,8 @@ class StateSync:
 
     def _forget_peers(self) -> None:
         self._peer_loads.clear()
+        self._lent.clear()
+        self._credited.clear()
         self._apply_peer_loads()
         if self.flow_share is not None:
             self.flow_share.forget()

@@ -82,8 +82,10 @@ async def bench(args: argparse.Namespace) -> None:
         share = served["narrow"] / total
         how = (f"shared through Redis (every {args.interval_s * 1000:g} ms)" if shared
                else "each instance on its own")
+        # Each instance on its own admits up to the cap on each: the fleet's capacity twice over.
+        capacity = 2 / args.hold_s * (args.seconds - args.warmup_s) * (1 if shared else 2)
         print(f"  {how}: narrow served {served['narrow']}, wide {served['wide']}: narrow's share {share:.2f} "
-              f"(one fair share: 0.50; error {abs(share - 0.5):.2f})")
+              f"(one fair share: 0.50; error {abs(share - 0.5):.2f}); {total / capacity:.0%} of the places used")
 
 
 def main() -> None:

@@ -75,6 +75,31 @@ async def test_service_on_one_instance_counts_in_the_fair_share_on_another(redis
     assert order[-3:] == ["blocker", "steady-on-b", "noisy-on-b"]
 
 
+async def test_a_place_that_frees_goes_to_the_instance_whose_tenant_should_go_next(redis_server):
+    order: list[str] = []
+    async with two_instances(redis_server, order, {"blocker": 0.5}, fairness_window_s=60) as (a, b), \
+            aiohttp.ClientSession() as http:
+        for n in range(5):  # tenant wide has used the fleet, through B
+            assert (await post(http, b.url, f"warm-{n}", {"x-kvlb-tenant": "wide"}))[0] == 200
+        blocker = asyncio.create_task(post(http, b.url, "blocker", {"x-kvlb-tenant": "wide"}))
+        await until(lambda: "blocker" in order)
+        wide = asyncio.create_task(post(http, b.url, "wide-on-b", {"x-kvlb-tenant": "wide"}))
+        await queued(b, 1)
+        narrow = asyncio.create_task(post(http, a.url, "narrow-on-a", {"x-kvlb-tenant": "narrow"}))
+        await queued(a, 1)
+        await until(lambda: remote_queued(b, "narrow") == 1)
+        results = await asyncio.gather(blocker, wide, narrow)
+        async with http.get(b.url + "/metrics") as resp:
+            sent = await resp.text()
+        async with http.get(a.url + "/metrics") as resp:
+            received = await resp.text()
+    # B's own line has only `wide`; one fair share serves `narrow`, waiting on A, first.
+    assert order[-3:] == ["blocker", "narrow-on-a", "wide-on-b"]
+    assert [status for status, _, _ in results] == [200] * 3
+    assert 'kvlb_flow_places_handed_total{direction="sent"} 1.0' in sent
+    assert 'kvlb_flow_places_handed_total{direction="received"} 1.0' in received
+
+
 async def test_without_redis_each_instance_enforces_on_its_own(redis_server):
     if not redis_server.private:
         pytest.skip("needs a private redis-server to stop")
