@@ -176,3 +176,9 @@ class Policy:
         the whole order matters, not just the head.
         """
         raise NotImplementedError
+
+    def relative_decode_speeds(self, replicas: Sequence[ReplicaView]) -> list[float] | None:
+        """Each replica's fitted decode speed over the others' (1.0: as fast as most), for a
+        choice made outside `rank` (a disaggregated request's decode replica); None where
+        the policy does not rank on fitted speeds or all are alike."""
+        return None

@@ -265,6 +265,12 @@ class PredictivePolicy(Policy):
             return None
         return [1.0 if low <= f <= high else f / median for f in fits]
 
+    def relative_decode_speeds(self, replicas: Sequence[ReplicaView]) -> list[float] | None:
+        if not self.use_fitted_speed or not replicas:
+            return None
+        fits = _trusted_fits([r.itl_scale for r in replicas], [r.itl_samples for r in replicas])
+        return self._relative_speeds(fits, self._decode_speed_band) if min(fits) != max(fits) else None
+
     def rank(self, request: RequestFeatures, replicas: Sequence[ReplicaView]) -> list[Choice]:
         prompt = request.prompt_tokens
         if prompt < 0:

@@ -7,8 +7,10 @@ is, by the model's policy over the prefill pool (its cache hits, its queue: the 
 belongs to the prefill pool). The decode replica is chosen here, by what the request will
 cost there: the transfer over the link from the chosen prefill replica (closer is faster:
 same `host` label, then same `zone`), and the decode iterations it shares with the batch
-already decoding there, for its expected output; a replica whose KV memory cannot hold the
-prompt beside what it decodes comes last.
+already decoding there, for its expected output, at that replica's fitted decode speed (the
+policy's `relative_decode_speeds`: a streamed answer's time per token after the first fits
+it, decode halves included); a replica whose KV memory cannot hold the prompt beside what it
+decodes comes last.
 
 Splitting is not always worth it. A prompt mostly cached on the best prefill replica (or a
 short one) costs less to prefill where it will decode than to transfer; a pool with nothing
@@ -29,7 +31,7 @@ from balancer.config import DisaggregationSettings
 from balancer.errors import ClientError
 from balancer.routing.core import DEFAULT_OUTPUT_TOKENS, Journey, RoutingCore
 from balancer.routing.fleet import Replica
-from policies.base import TTFT_TERM, Choice, RequestFeatures
+from policies.base import MODEL_ITL_TERM, TTFT_TERM, Choice, RequestFeatures
 from policies.predictive import DECODE_ITERATION_MS, DECODE_MS_PER_CONTEXT_TOKEN, DECODE_MS_PER_SEQ
 
 PREFILL, DECODE, BOTH = "prefill", "decode", "both"
@@ -98,22 +100,29 @@ def rank_decode(
     output_tokens: float,
     settings: DisaggregationSettings,
     jitter: Sequence[float],
+    speeds: Sequence[float] | None = None,
 ) -> list[Choice]:
     """The decode pool, cheapest first, each with the terms that put it there. `jitter`, one
-    number in [0, 1) per replica, breaks ties between equal replicas at random."""
+    number in [0, 1) per replica, breaks ties between equal replicas at random; `speeds`, one
+    per replica, how many times slower than the others it decodes (None: all alike)."""
     keyed = []
     for i, r in enumerate(decode):
         moved = transfer_ms(prompt_tokens, link_gbps(prefill, r, settings), settings)
         seqs, context = r.decoding, r.context_tokens
         # Its own tokens in that batch, and the slowdown it adds to every sequence beside it.
         per_token = (DECODE_ITERATION_MS + DECODE_MS_PER_SEQ * (seqs + 1)
-                     + DECODE_MS_PER_CONTEXT_TOKEN * (context + prompt_tokens + output_tokens / 2))
+                     + DECODE_MS_PER_CONTEXT_TOKEN * (context + prompt_tokens + output_tokens / 2)) / r.weight
         added = seqs * (DECODE_MS_PER_SEQ + DECODE_MS_PER_CONTEXT_TOKEN * (prompt_tokens + output_tokens / 2))
-        decode_ms = output_tokens * (per_token + added) / r.weight
+        speed = speeds[i] if speeds is not None else 1.0
+        decode_ms = output_tokens * (per_token + added / r.weight) * speed
         capacity = r.kv_capacity_tokens
         room = 0.0 if capacity is None or context + prompt_tokens + output_tokens <= capacity else NO_ROOM_MS
         cost = moved + decode_ms + room
-        terms = {"transfer_ms": moved, "decode_ms": decode_ms, "decoding": float(seqs), "cost": cost}
+        # The profile's time per token, which the answer's own gaps fit the replica's speed to.
+        terms = {"transfer_ms": moved, "decode_ms": decode_ms, "decoding": float(seqs), "cost": cost,
+                 MODEL_ITL_TERM: per_token}
+        if speed != 1.0:
+            terms["decode_speed"] = speed
         keyed.append((cost * (1.0 + 0.01 * jitter[i]), i, Choice(r, terms)))
     keyed.sort(key=lambda k: (k[0], k[1]))
     return [c for _, _, c in keyed]
@@ -158,10 +167,11 @@ def plan_split(
     output = planned.expected_output_tokens
     if output is None:
         output = float(planned.max_tokens) if planned.max_tokens is not None else DEFAULT_OUTPUT_TOKENS
-    rand = core.policy_for(features.model).rng.random
+    policy = core.policy_for(features.model)
+    rand = policy.rng.random
     best = journey.ranking[0]
     ranking = rank_decode(split.decode, best.replica, planned.prompt_tokens, output, settings,
-                          [rand() for _ in split.decode])
+                          [rand() for _ in split.decode], policy.relative_decode_speeds(split.decode))
     prefill_ms = best.terms.get(TTFT_TERM)
     if split.whole and prefill_ms is not None:
         # A saturated prefill pool: where a replica that serves alone would give the first

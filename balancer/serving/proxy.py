@@ -342,7 +342,10 @@ class Proxy:
         # SGLang's /generate carries its counts in `meta_info`, the OpenAI routes in `usage`.
         usage: list[bytes] = []
         on_chunk = None
-        if self.read_usage or routed is not None:
+        # A disaggregated request's decode half is routed by no index, but its answer's
+        # length still fits its replica's decode speed.
+        teaches = routed is not None or journey.model_itl_ms > 0
+        if self.read_usage or teaches:
             mark = META_MARK if journey.features.route == GENERATE_ROUTE else USAGE_MARK
 
             def on_chunk(chunk: bytes) -> None:
@@ -377,7 +380,7 @@ class Proxy:
             counts = counts_from_sse(b"".join(usage)) if usage else None
             if self.read_usage:
                 outcome.tokens = counts
-        if routed is not None and counts is not None and counts.output is not None:
+        if teaches and counts is not None and counts.output is not None:
             error = self.core.learned_output(journey, counts.output, asyncio.get_running_loop().time())
             if error is not None:
                 self.metrics.observe_itl_error(error)

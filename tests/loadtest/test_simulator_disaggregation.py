@@ -52,3 +52,29 @@ def test_mostly_cached_prompts_run_whole_under_vllms_protocol() -> None:
     # After the first, each prompt is cached bar its question: it runs on a prefill replica too.
     assert {"replica-0", "replica-1"} & {r.replica for r in records}
     assert sum(r.cached_tokens for r in records) / sum(r.prompt_tokens for r in records) > 0.8
+
+
+def test_decode_halves_fit_their_replicas_decode_speed_and_a_slow_one_gets_fewer() -> None:
+    from loadtest.simulator.simulator import Simulator
+
+    # One decode replica decodes about twice as slowly as kvlb's model of it (a 70B profile
+    # where kvlb prices every replica as the 8B one).
+    fleet = parse_fleet({"groups": [{"count": 2, "role": "prefill", "host": "node-0"},
+                                    {"count": 2, "role": "decode", "host": "node-0"},
+                                    {"count": 1, "role": "decode", "host": "node-0",
+                                     "profile": "llama-3.1-70b-h100-tp4"}]})
+    spec = LONG.replace("requests=40", "requests=120").replace("rate=0.5", "rate=2")
+    shares = {}
+    for fitted in (True, False):
+        policy = PolicySettings("predictive", {"decode_speed_tolerance": 0.3, "use_fitted_speed": fitted}, 0)
+        simulator = Simulator(fleet, policy, None, disaggregation=DisaggregationSettings())
+        records = simulator.run(load_workload(spec).requests).records
+        assert all(r.status == 200 for r in records)
+        shares[fitted] = sum(r.replica == "replica-4" for r in records) / len(records)
+        decode = [r for r in simulator.fleet.replicas if r.settings.role == "decode"]
+        # Every decode replica's speed is fitted from its streamed answers, whichever choice.
+        assert all(r.itl_samples > 0 for r in decode)
+        if fitted:
+            slow, *fast = sorted(decode, key=lambda r: -r.itl_scale)
+            assert slow.name == "replica-4" and slow.itl_scale > 1.5 * max(r.itl_scale for r in fast)
+    assert shares[True] < 0.6 * shares[False], shares

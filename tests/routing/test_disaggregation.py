@@ -66,6 +66,19 @@ def test_a_busier_decode_batch_and_a_full_kv_cache_rank_later() -> None:
     assert ranked[-1].replica.name == "full"
 
 
+def test_a_replica_fitted_slower_at_decoding_ranks_later_and_each_choice_carries_the_profiles_time() -> None:
+    p = replica("p", "prefill")
+    slow, fast = replica("slow", "decode"), replica("fast", "decode")
+    alike = rank_decode([slow, fast], p, 4000, 300, SETTINGS, [0.0, 0.5])
+    assert [c.replica.name for c in alike] == ["slow", "fast"]  # equal but for the tie-break
+    ranked = rank_decode([slow, fast], p, 4000, 300, SETTINGS, [0.0, 0.5], [3.0, 1.0])
+    assert [c.replica.name for c in ranked] == ["fast", "slow"]
+    assert ranked[1].terms["decode_speed"] == 3.0 and "decode_speed" not in ranked[0].terms
+    # What the answer's own gaps between tokens are compared with: the profile's time, not
+    # the fitted one.
+    assert ranked[1].terms["model_itl_ms"] == ranked[0].terms["model_itl_ms"] > 0
+
+
 def _core(replicas: list[Replica]):
     from balancer.config import RoutingSettings
     from balancer.routing.admission import AdmissionQueue

@@ -92,6 +92,9 @@ async def test_every_request_completes_on_a_decode_replica_streamed_and_not(prot
                     assert "decode: chosen=d" in headers["x-kvlb-route"]
                     assert body["usage"]["completion_tokens"] == 8, body
             assert await metric(http, running.url, "disaggregated") == 4
+            # The two streamed answers fitted their decode replicas' speed.
+            fleet = running.balancer.fleet
+            assert fleet.by_name["d0"].itl_samples + fleet.by_name["d1"].itl_samples == 2
             # The same prompt again: its prefill replica holds it. SGLang's decode replica
             # reports that hit; vLLM's protocol runs a mostly cached prompt whole instead.
             status, headers, body = await ask(http, running.url, "/v1/completions", False, f"1 {PROMPT}")
