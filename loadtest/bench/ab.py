@@ -72,18 +72,23 @@ async def cpu_per_request(configs: Mapping[str, Callable[[dict[str, Any]], None]
                 stop_process(proc)
 
 
-def report(title: str, per_request: Mapping[str, list[float]], base: str, other: str, floor: str) -> None:
+def report(title: str, per_request: Mapping[str, list[float]], base: str, other: str, floor: str,
+           control: str | None = None) -> None:
+    """`control`: a second process of `base`'s configuration. Its ratio to `base` is what the
+    machine alone makes of two identical processes, the yardstick for `other`'s ratio."""
     first, second = statistics.median(per_request[base]), statistics.median(per_request[other])
-    ratios = sorted(b / a for a, b in zip(per_request[base], per_request[other], strict=True))
     print(title)
     print(f"  {base}: {first * 1e6:6.0f} µs")
     print(f"  {other}: {second * 1e6:6.0f} µs   ({second / first:.2f}x; {floor})")
-    print(f"  {other}/{base} of each round: {' '.join(f'{r:.2f}' for r in ratios)} (sorted)")
+    for name in (other, control) if control is not None else (other,):
+        ratios = sorted(b / a for a, b in zip(per_request[base], per_request[name], strict=True))
+        print(f"  {name}/{base} of each round: median {statistics.median(ratios):.2f}; "
+              f"{' '.join(f'{r:.2f}' for r in ratios)} (sorted)")
 
 
-def arguments(doc: str | None) -> argparse.Namespace:
+def arguments(doc: str | None, rounds: int = 6) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=rounds)
     return parser.parse_args()
