@@ -363,11 +363,12 @@ class FlowController:
             if klass is None or len(klass.remote) >= self.max_tenants:
                 continue  # a class this instance does not have; or more tenants than it keeps
             klass.remote[tenant] = attained
-            peer = where.get((class_name, tenant)) if where is not None else None
-            if queued and peer is not None:
+            if queued:
                 klass.remote_queued[tenant] = queued
-                klass.remote_where[tenant] = peer
                 waiting += queued
+                peer = where.get((class_name, tenant)) if where is not None else None
+                if peer is not None:
+                    klass.remote_where[tenant] = peer
         self.remote_peers = peers
         self.remote_waiting = waiting
 
@@ -415,8 +416,8 @@ class FlowController:
         """Hands a place to the instance where `name` waits, and counts there, until the next
         exchange says otherwise, one request fewer waiting and the service of a request like
         the one it came from (`cost`: what is known here of the peer's requests is their number)."""
-        hand_off = self.hand_off
-        if hand_off is None or not hand_off(klass.remote_where[name], model):
+        hand_off, peer = self.hand_off, klass.remote_where.get(name)
+        if hand_off is None or peer is None or not hand_off(peer, model):
             return False
         self.handed_off += 1
         left = klass.remote_queued[name] - 1

@@ -113,3 +113,12 @@ def test_without_peers_nothing_is_handed():
     fleet.flow.set_remote({}, 0.0, 0)
     (woken,) = fleet.flow.done(running, 1.0)
     assert woken.tenant == "wide" and fleet.handed == []
+
+
+def test_a_tenant_waiting_on_an_instance_not_named_counts_toward_its_bound_but_gets_no_place():
+    fleet = Fleet(cap=1)
+    running = busy_with(fleet, "wide", waiting=1)
+    fleet.flow.set_remote({("standard", "narrow"): (0.0, 2)}, 0.0, 1)
+    assert fleet.flow.by_name["standard"].remote_queued == {"narrow": 2}
+    (woken,) = fleet.flow.done(running, 1.0)
+    assert woken.tenant == "wide" and fleet.handed == []
