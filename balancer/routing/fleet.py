@@ -22,7 +22,7 @@ class Replica:
         "name", "url", "weight", "labels", "max_concurrency", "kv_capacity_tokens",
         "declared_model", "in_flight", "healthy", "discovered_models", "model_cards",
         "prefill_tokens_queued", "decoding", "breaker", "draining", "settings",
-        "remote_in_flight", "remote_prefill_tokens_queued", "remote_decoding",
+        "remote_in_flight", "remote_prefill_tokens_queued", "remote_decoding", "remote_context_tokens",
         "context_tokens", "latency", "decode_latency", "adapter_slots", "discovered_adapters",
     )
 
@@ -46,7 +46,8 @@ class Replica:
         self.remote_in_flight = 0
         self.remote_prefill_tokens_queued = 0
         self.remote_decoding = 0
-        # This instance's decoding requests' prompt tokens (other instances' are not shared).
+        self.remote_context_tokens = 0
+        # The prompt tokens of the requests it is serving: the context its decode batch reads.
         self.context_tokens = 0
         self.latency = LatencyFit()  # time to first token: prefill and queue
         self.decode_latency = LatencyFit()  # time between output tokens: the decode batch
@@ -96,21 +97,25 @@ class Replica:
     def serves_adapter(self, adapter: str) -> bool:
         return adapter in self.settings.adapters or adapter in self.discovered_adapters
 
-    def set_remote_load(self, in_flight: int, prefill_tokens_queued: int, decoding: int) -> None:
+    def set_remote_load(self, in_flight: int, prefill_tokens_queued: int, decoding: int,
+                        context_tokens: int = 0) -> None:
         """Other instances' requests on this replica, replacing their previous snapshot."""
         self.in_flight += in_flight - self.remote_in_flight
         self.prefill_tokens_queued += prefill_tokens_queued - self.remote_prefill_tokens_queued
         self.decoding += decoding - self.remote_decoding
+        self.context_tokens += context_tokens - self.remote_context_tokens
         self.remote_in_flight = in_flight
         self.remote_prefill_tokens_queued = prefill_tokens_queued
         self.remote_decoding = decoding
+        self.remote_context_tokens = context_tokens
 
-    def local_load(self) -> tuple[int, int, int]:
-        """This instance's own (in flight, queued prefill tokens, decoding)."""
+    def local_load(self) -> tuple[int, int, int, int]:
+        """This instance's own (in flight, queued prefill tokens, decoding, their context tokens)."""
         return (
             self.in_flight - self.remote_in_flight,
             self.prefill_tokens_queued - self.remote_prefill_tokens_queued,
             self.decoding - self.remote_decoding,
+            self.context_tokens - self.remote_context_tokens,
         )
 
     def has_room(self) -> bool:

@@ -9,7 +9,7 @@ Three things travel, all in background tasks; a request never waits for Redis:
   in its own prefix index, so a conversation's next turn finds its replica whichever
   instance it reaches.
 - Load. Every `load_interval_s` each instance writes its own per-replica in-flight requests,
-  queued prefill tokens and decoding requests under `<prefix>:instance:<id>`, expiring after
+  queued prefill tokens, decoding requests and their context tokens under `<prefix>:instance:<id>`, expiring after
   `load_ttl_s`, and reads the others' keys; the same snapshot also rides on every stream
   entry, and an entry goes out when only the load changed, so peers see a request end within
   a batch interval. A replica's load is this instance's own plus the peers' newest
@@ -155,9 +155,9 @@ class StateSync:
         self._last_ids: dict[str, bytes | str] = {}
         self._departed: dict[str, bytes | str] = {}  # positions in streams of peers not seen lately
         # Per live peer: (its wall time when it took the snapshot, {replica: [in flight,
-        # queued prefill tokens, decoding]}), the newest from its key or its stream.
+        # queued prefill tokens, decoding, context tokens]}), the newest from its key or its stream.
         self._peer_loads: dict[str, tuple[float, dict[str, list[int]]]] = {}
-        self._published_load: dict[str, tuple[int, int, int]] | None = None
+        self._published_load: dict[str, tuple[int, int, int, int]] | None = None
         self._peers_seen_at = 0.0
         self._down_since: float | None = None
         # Peer names come from what others wrote: bounded like the departed ones.
@@ -209,7 +209,7 @@ class StateSync:
             if self.flow_share is not None:
                 await self.flow_share.leave(self.redis)
         for replica in self.fleet.replicas:
-            replica.set_remote_load(0, 0, 0)
+            replica.set_remote_load(0, 0, 0, 0)
         for client in (self.redis, self.reader):
             with contextlib.suppress(RedisError, OSError, TimeoutError):
                 await client.aclose()
@@ -338,11 +338,11 @@ class StateSync:
 
     # -- load and membership ---------------------------------------------------------------
 
-    def _local_load(self) -> dict[str, tuple[int, int, int]]:
+    def _local_load(self) -> dict[str, tuple[int, int, int, int]]:
         return {replica.name: replica.local_load() for replica in self.fleet.replicas}
 
     @staticmethod
-    def _snapshot(load: dict[str, tuple[int, int, int]]) -> bytes:
+    def _snapshot(load: dict[str, tuple[int, int, int, int]]) -> bytes:
         return orjson.dumps({"t": time.time(), "l": load})
 
     def _keep_snapshot(self, peer: str, taken: float, load: dict[str, list[int]]) -> None:
@@ -391,13 +391,15 @@ class StateSync:
         totals: dict[str, list[int]] = {}
         for _, load in self._peer_loads.values():
             for name, counts in load.items():  # checked by _snapshot_of
-                total = totals.setdefault(name, [0, 0, 0])
+                total = totals.setdefault(name, [0, 0, 0, 0])
                 for i in range(3):
                     total[i] += counts[i]
+                if len(counts) > 3:  # an older peer sends no context tokens
+                    total[3] += counts[3]
         if self._lent or self._credited:
             self._handed_into(totals)
         for replica in self.fleet.replicas:
-            replica.set_remote_load(*totals.get(replica.name, (0, 0, 0)))
+            replica.set_remote_load(*totals.get(replica.name, (0, 0, 0, 0)))
         self.stats.peers = len(self._peer_loads)
 
     def _handed_into(self, totals: dict[str, list[int]]) -> None:
@@ -407,9 +409,9 @@ class StateSync:
         self._lent = [lent for lent in self._lent if lent[3] > now]
         self._credited = [c for c in self._credited if c[3] > now]
         for _, name, _, _ in self._lent:
-            totals.setdefault(name, [0, 0, 0])[0] += 1
+            totals.setdefault(name, [0, 0, 0, 0])[0] += 1
         for _, name, _, _ in self._credited:
-            total = totals.setdefault(name, [0, 0, 0])
+            total = totals.setdefault(name, [0, 0, 0, 0])
             total[0] = max(total[0] - 1, 0)
 
     async def _exchange_load(self) -> None:
@@ -488,7 +490,7 @@ def _events_of(fields: dict[bytes, Any]) -> tuple[list[list[Any]], array]:
 
 def _snapshot_of(raw: Any) -> tuple[float, dict[str, list[int]]]:
     """A peer's load snapshot: (its wall time, {replica: [in flight, queued prefill tokens,
-    decoding]})."""
+    decoding, their context tokens]}); a version before the fourth sends three."""
     try:
         snapshot = orjson.loads(raw)
     except (ValueError, TypeError) as exc:
@@ -498,7 +500,7 @@ def _snapshot_of(raw: Any) -> tuple[float, dict[str, list[int]]]:
     if type(taken) not in (int, float) or not isinstance(load, dict):
         raise MalformedEntry("a load snapshot is not {t: time, l: {replica: counts}}")
     for counts in load.values():
-        # A later version may count more; the first three are these.
-        if not (isinstance(counts, list) and len(counts) >= 3 and all(type(c) is int for c in counts[:3])):
-            raise MalformedEntry(f"a replica's load is not [in flight, prefill tokens, decoding]: {reprlib.repr(counts)}")
+        # A later version may count more; the first four are these (three from an older one).
+        if not (isinstance(counts, list) and len(counts) >= 3 and all(type(c) is int for c in counts[:4])):
+            raise MalformedEntry(f"a replica's load is not [in flight, prefill tokens, decoding, context tokens]: {reprlib.repr(counts)}")
     return float(taken), load

@@ -109,6 +109,25 @@ async def test_load_on_a_replica_counts_whichever_instance_routed_it(redis_serve
             task.cancel()
 
 
+async def test_the_context_a_peers_requests_hold_on_a_replica_prices_its_decode_batch_here(redis_server):
+    fast = redis_server.sync_settings(load_interval_s=0.05, load_ttl_s=0.5)
+    async with two_instances(1, fast, "predictive", time_scale=1.0) as (a, b), aiohttp.ClientSession() as http:
+        slow = asyncio.create_task(complete(http, a.url, "a long prompt " * 200, max_tokens=300))
+        theirs, mine = a.balancer.fleet.replicas[0], b.balancer.fleet.replicas[0]
+        await until(lambda: theirs.context_tokens > 0 and mine.remote_context_tokens == theirs.context_tokens)
+        assert mine.context_tokens == theirs.context_tokens  # B has routed nothing itself
+        # Predictive prices the batch a request would join there alike on both instances:
+        # its time per output token counts that context (4.39e-5 ms a token over 8.3 ms).
+        itl = []
+        for url in (b.url, a.url):
+            _, _, route = await complete_explained(http, url, "short", max_tokens=1)
+            assert route is not None
+            itl.append(float(route.split("model_itl_ms=")[1].split()[0]))
+        assert itl[0] == pytest.approx(itl[1]) and itl[0] > 8.3 + 0.02, itl
+        slow.cancel()
+        await until(lambda: mine.remote_context_tokens == 0, timeout_s=3)
+
+
 async def test_a_request_ending_shows_at_peers_within_a_batch_not_a_snapshot(redis_server):
     # Snapshots every 2 s: only the load riding on stream entries can show changes sooner.
     slow_snapshots = redis_server.sync_settings(load_interval_s=2.0, load_ttl_s=6.0)
