@@ -1,9 +1,9 @@
 """kvlb's CPU per request under two configurations, in one run: the A/B the flow-control and
 tracing benchmarks share.
 
-Both kvlb processes stand in front of the same instant upstream (`loadtest.bench.proxy`'s)
-and take turns on the same requests; each round reverses the last one's order, since
-whichever runs second in a round can find the machine in another state, and that must not
+The kvlb processes stand in front of the same instant upstream (`loadtest.bench.proxy`'s)
+and take turns on the same requests, each round in the next of every possible order, since
+a process's position in a round changes what it finds of the machine, and that must not
 read as a cost. What is compared is the median over rounds of each process's CPU time (from
 /proc) per request.
 """
@@ -60,8 +60,12 @@ async def cpu_per_request(configs: Mapping[str, Callable[[dict[str, Any]], None]
                 await wait_for_http(url + "/ready")
             per_request: dict[str, list[float]] = {name: [] for name in targets}
             names = list(targets)
+            # Each process takes each position in a round as often (every rotation, forwards
+            # and backwards): with three, reversing alone would keep the middle one there.
+            orders = [names[i:] + names[:i] for i in range(len(names))]
+            orders += [order[::-1] for order in orders]
             for round_ in range(args.rounds):
-                for name in names if round_ % 2 == 0 else names[::-1]:
+                for name in orders[round_ % len(orders)]:
                     proc, url = targets[name]
                     before = read_cpu_seconds(proc.pid)
                     await measure(url + "/v1/chat/completions", args.concurrency, args.requests, BODY, dict(headers or {}))
@@ -81,9 +85,13 @@ def report(title: str, per_request: Mapping[str, list[float]], base: str, other:
     print(f"  {base}: {first * 1e6:6.0f} µs")
     print(f"  {other}: {second * 1e6:6.0f} µs   ({second / first:.2f}x; {floor})")
     for name in (other, control) if control is not None else (other,):
-        ratios = sorted(b / a for a, b in zip(per_request[base], per_request[name], strict=True))
+        ratios = paired(per_request, base, name)
         print(f"  {name}/{base} of each round: median {statistics.median(ratios):.2f}; "
               f"{' '.join(f'{r:.2f}' for r in ratios)} (sorted)")
+
+
+def paired(per_request: Mapping[str, list[float]], base: str, other: str) -> list[float]:
+    return sorted(b / a for a, b in zip(per_request[base], per_request[other], strict=True))
 
 
 def arguments(doc: str | None, rounds: int = 6) -> argparse.Namespace:
