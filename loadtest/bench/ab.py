@@ -1,11 +1,13 @@
-"""kvlb's CPU per request under two configurations, in one run: the A/B the flow-control and
-tracing benchmarks share.
+"""kvlb's CPU per request under several configurations, in one run: the A/B the flow-control
+and tracing benchmarks share.
 
 The kvlb processes stand in front of the same instant upstream (`loadtest.bench.proxy`'s)
-and take turns on the same requests, each round in the next of every possible order, since
-a process's position in a round changes what it finds of the machine, and that must not
-read as a cost. What is compared is the median over rounds of each process's CPU time (from
-/proc) per request.
+and take turns on the same requests, each process in each position of a round as often,
+since a process's position in a round changes what it finds of the machine, and that must
+not read as a cost. What is compared is the median over rounds of each process's CPU time
+(from /proc) per request. One process can also run several per cent dearer than another of
+the same configuration for as long as it lives: where a few per cent matter, run two of
+each and compare their means (`loadtest.bench.flow`).
 """
 
 from __future__ import annotations
