@@ -85,6 +85,7 @@ async def test_a_place_that_frees_goes_to_the_instance_whose_tenant_should_go_ne
         await until(lambda: "blocker" in order)
         wide = asyncio.create_task(post(http, b.url, "wide-on-b", {"x-kvlb-tenant": "wide"}))
         await queued(b, 1)
+        await until(lambda: a.balancer.fleet.replicas[0].in_flight >= 1)  # A has heard the place is taken
         narrow = asyncio.create_task(post(http, a.url, "narrow-on-a", {"x-kvlb-tenant": "narrow"}))
         await queued(a, 1)
         await until(lambda: remote_queued(b, "narrow") == 1)
@@ -98,6 +99,22 @@ async def test_a_place_that_frees_goes_to_the_instance_whose_tenant_should_go_ne
     assert [status for status, _, _ in results] == [200] * 3
     assert 'kvlb_flow_places_handed_total{direction="sent"} 1.0' in sent
     assert 'kvlb_flow_places_handed_total{direction="received"} 1.0' in received
+
+
+async def test_a_higher_class_waiting_on_another_instance_takes_the_place_that_frees_here(redis_server):
+    order: list[str] = []
+    async with two_instances(redis_server, order, {"blocker": 0.5}) as (a, b), aiohttp.ClientSession() as http:
+        blocker = asyncio.create_task(post(http, b.url, "blocker"))
+        await until(lambda: "blocker" in order)
+        standard = asyncio.create_task(post(http, b.url, "standard-on-b"))
+        await queued(b, 1)
+        await until(lambda: a.balancer.fleet.replicas[0].in_flight >= 1)  # A has heard the place is taken
+        critical = asyncio.create_task(post(http, a.url, "critical-on-a", {"x-kvlb-priority": "critical"}))
+        await queued(a, 1)
+        await until(lambda: b.balancer.core.flow.by_name["critical"].remote_queued.get("default", 0) == 1)
+        results = await asyncio.gather(blocker, standard, critical)
+    assert order[-3:] == ["blocker", "critical-on-a", "standard-on-b"]
+    assert [status for status, _, _ in results] == [200] * 3
 
 
 async def test_without_redis_each_instance_enforces_on_its_own(redis_server):
