@@ -300,9 +300,7 @@ class PredictivePolicy(Policy):
 
         fits = _trusted_fits([r.ttft_scale for r in replicas], [r.ttft_samples for r in replicas])
         scales = self._relative_speeds(fits, self._speed_band) if fitted and min(fits) != max(fits) else None
-        decode_fits = _trusted_fits([r.itl_scale for r in replicas], [r.itl_samples for r in replicas])
-        decode_scales = (self._relative_speeds(decode_fits, self._decode_speed_band)
-                         if fitted and min(decode_fits) != max(decode_fits) else None)
+        decode_scales = self.relative_decode_speeds(replicas)
         # β from the shortest backlog: some idle replica means the fleet is not saturated.
         shortest = math.inf
         for j, r in enumerate(replicas):

@@ -95,6 +95,13 @@ class Journey:
     max_attempts: int = 3
     _next: int = 0
 
+    @property
+    def reads_answer(self) -> bool:
+        """Whether the drivers read its answer's token counts back: for the prefix index,
+        or for a replica's fitted decode speed (a disaggregated request's decode half,
+        routed by no index, still carries the profile's time per token)."""
+        return self.routed is not None or self.model_itl_ms > 0
+
 
 @dataclass(slots=True)
 class CoreSettings:

@@ -342,9 +342,7 @@ class Proxy:
         # SGLang's /generate carries its counts in `meta_info`, the OpenAI routes in `usage`.
         usage: list[bytes] = []
         on_chunk = None
-        # A disaggregated request's decode half is routed by no index, but its answer's
-        # length still fits its replica's decode speed.
-        teaches = routed is not None or journey.model_itl_ms > 0
+        teaches = journey.reads_answer
         if self.read_usage or teaches:
             mark = META_MARK if journey.features.route == GENERATE_ROUTE else USAGE_MARK
 

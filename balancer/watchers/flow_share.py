@@ -162,12 +162,13 @@ class FlowShare:
 
 
 def _roomiest(replicas: Iterable[Replica]) -> Replica | None:
-    """The capped replica with the most room: a replica without a cap has no places to hand
-    (requests wait there for `limits.max_in_flight`, which is each instance's own)."""
+    """The capped replica with the most room among `replicas` (routable ones: none draining);
+    a replica without a cap has no places to hand (requests wait there for
+    `limits.max_in_flight`, which is each instance's own)."""
     best, most = None, 0
     for replica in replicas:
         cap = replica.max_concurrency
-        if cap is not None and not replica.draining and cap - replica.in_flight > most:
+        if cap is not None and cap - replica.in_flight > most:
             best, most = replica, cap - replica.in_flight
     return best
 

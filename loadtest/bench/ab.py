@@ -78,18 +78,14 @@ async def cpu_per_request(configs: Mapping[str, Callable[[dict[str, Any]], None]
                 stop_process(proc)
 
 
-def report(title: str, per_request: Mapping[str, list[float]], base: str, other: str, floor: str,
-           control: str | None = None) -> None:
-    """`control`: a second process of `base`'s configuration. Its ratio to `base` is what the
-    machine alone makes of two identical processes, the yardstick for `other`'s ratio."""
+def report(title: str, per_request: Mapping[str, list[float]], base: str, other: str, floor: str) -> None:
     first, second = statistics.median(per_request[base]), statistics.median(per_request[other])
+    ratios = paired(per_request, base, other)
     print(title)
     print(f"  {base}: {first * 1e6:6.0f} µs")
     print(f"  {other}: {second * 1e6:6.0f} µs   ({second / first:.2f}x; {floor})")
-    for name in (other, control) if control is not None else (other,):
-        ratios = paired(per_request, base, name)
-        print(f"  {name}/{base} of each round: median {statistics.median(ratios):.2f}; "
-              f"{' '.join(f'{r:.2f}' for r in ratios)} (sorted)")
+    print(f"  {other}/{base} of each round: median {statistics.median(ratios):.2f}; "
+          f"{' '.join(f'{r:.2f}' for r in ratios)} (sorted)")
 
 
 def paired(per_request: Mapping[str, list[float]], base: str, other: str) -> list[float]:

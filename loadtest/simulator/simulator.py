@@ -520,8 +520,7 @@ class Simulator:
         if journey.phase == PREFILLING:  # a one-token answer: its first token is its last
             core.first_byte(journey, self.now)
         core.learn(journey, seq.prompt_tokens, seq.cached_tokens)
-        # As the proxy, which reads answers only for these policies, and decode halves.
-        if journey.routed is not None or journey.model_itl_ms > 0:
+        if journey.reads_answer:  # as the proxy does
             core.learned_output(journey, seq.num_generated, self.now)
         core.answered(journey, self.now, True, None)
         core.end_attempt(journey, answered=True)
