@@ -7,7 +7,7 @@ from balancer.routing.flow import GO, WAIT
 from tests.routing.test_flow import controller
 
 
-class Fleet:
+class Places:
     """One model's capped places (the instance's own limit too, so that requests wait here);
     a handed place counts as taken, as the sync counts it."""
 
@@ -41,7 +41,7 @@ def busy_with(fleet, tenant, waiting, cost=1000):
 
 
 def test_a_place_goes_to_the_peer_whose_tenant_has_had_less_service():
-    fleet = Fleet(cap=1)
+    fleet = Places(cap=1)
     running = busy_with(fleet, "wide", waiting=2)
     fleet.flow.set_remote({("standard", "narrow"): (0.0, 2)}, 0.0, 1, {("standard", "narrow"): "b"})
     assert fleet.flow.done(running, 1.0) == []
@@ -52,7 +52,7 @@ def test_a_place_goes_to_the_peer_whose_tenant_has_had_less_service():
 
 
 def test_a_tenant_only_a_little_behind_elsewhere_does_not_take_the_place():
-    fleet = Fleet(cap=1)
+    fleet = Places(cap=1)
     running = busy_with(fleet, "wide", waiting=1, cost=100)
     fleet.flow.set_remote({("standard", "narrow"): (0.0, 2)}, 0.0, 1, {("standard", "narrow"): "b"})
     # Less service by under one request (100 tokens, faded a little): stale views on either
@@ -62,7 +62,7 @@ def test_a_tenant_only_a_little_behind_elsewhere_does_not_take_the_place():
 
 
 def test_handing_stops_once_the_peers_tenant_has_caught_up():
-    fleet = Fleet(cap=1)
+    fleet = Places(cap=1)
     running = busy_with(fleet, "wide", waiting=3, cost=150)
     fleet.flow.set_remote({("standard", "narrow"): (0.0, 5)}, 0.0, 1, {("standard", "narrow"): "b"})
     fleet.flow.done(running, 1.0)
@@ -74,7 +74,7 @@ def test_handing_stops_once_the_peers_tenant_has_caught_up():
 
 
 def test_a_tenant_waiting_on_both_is_ordered_here_and_not_handed_for():
-    fleet = Fleet(cap=1)
+    fleet = Places(cap=1)
     running = busy_with(fleet, "wide", waiting=1)
     fleet.flow.set_remote({("standard", "wide"): (0.0, 4)}, 0.0, 1, {("standard", "wide"): "b"})
     (woken,) = fleet.flow.done(running, 1.0)
@@ -82,14 +82,14 @@ def test_a_tenant_waiting_on_both_is_ordered_here_and_not_handed_for():
 
 
 def test_a_higher_class_waiting_on_a_peer_takes_the_place():
-    fleet = Fleet(cap=1)
+    fleet = Places(cap=1)
     running = busy_with(fleet, "light", waiting=1)
     fleet.flow.set_remote({("critical", "heavy"): (1e6, 1)}, 0.0, 1, {("critical", "heavy"): "b"})
     assert fleet.flow.done(running, 1.0) == [] and fleet.handed == ["b"]
 
 
 def test_a_place_that_frees_with_nothing_waiting_here_goes_to_a_peer_at_once():
-    fleet = Fleet(cap=2)
+    fleet = Places(cap=2)
     running, _ = arrive(fleet.flow, "any")
     fleet.flow.set_remote({("batch", "late"): (0.0, 1), ("standard", "early"): (50.0, 3)}, 0.0, 1,
                           {("batch", "late"): "c", ("standard", "early"): "b"})
@@ -100,7 +100,7 @@ def test_a_place_that_frees_with_nothing_waiting_here_goes_to_a_peer_at_once():
 
 
 def test_a_place_no_peer_can_take_is_used_here():
-    fleet = Fleet(cap=1, accept=False)
+    fleet = Places(cap=1, accept=False)
     running = busy_with(fleet, "wide", waiting=1)
     fleet.flow.set_remote({("standard", "narrow"): (0.0, 2)}, 0.0, 1, {("standard", "narrow"): "b"})
     (woken,) = fleet.flow.done(running, 1.0)
@@ -108,7 +108,7 @@ def test_a_place_no_peer_can_take_is_used_here():
 
 
 def test_without_peers_nothing_is_handed():
-    fleet = Fleet(cap=1)
+    fleet = Places(cap=1)
     running = busy_with(fleet, "wide", waiting=1)
     fleet.flow.set_remote({}, 0.0, 0)
     (woken,) = fleet.flow.done(running, 1.0)
@@ -116,7 +116,7 @@ def test_without_peers_nothing_is_handed():
 
 
 def test_a_tenant_waiting_on_an_instance_not_named_counts_toward_its_bound_but_gets_no_place():
-    fleet = Fleet(cap=1)
+    fleet = Places(cap=1)
     running = busy_with(fleet, "wide", waiting=1)
     fleet.flow.set_remote({("standard", "narrow"): (0.0, 2)}, 0.0, 1)
     assert fleet.flow.by_name["standard"].remote_queued == {"narrow": 2}
