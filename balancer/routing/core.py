@@ -142,29 +142,39 @@ class RoutingCore:
         for replica in fleet.replicas:
             self.joined(replica)
 
+    def model_entry(self, model: str | None, table: Mapping[str, Any]) -> str | None:
+        """The `per_model` entry of `table` that `model` falls under: its own, else, for a
+        LoRA adapter, its base model's, since it runs on that model's fleet."""
+        if model is None or not table:
+            return None
+        if model in table:
+            return model
+        base = self.fleet.base_of(model)
+        return base if base in table else None
+
     def policy_for(self, model: str | None) -> Policy:
-        if self.model_policies and model in self.model_policies:
-            return self.model_policies[model]
-        return self.policy
+        entry = self.model_entry(model, self.model_policies)
+        return self.policy if entry is None else self.model_policies[entry]
 
     @property
     def needs_prompt(self) -> bool:
         """Whether requests must be parsed for their prompt: some model's policy reads it."""
         return self.policy.needs_prompt or self._models_need_prompt
 
-    def enter_model(self, model: str | None) -> bool:
-        """A request for `model` begins; raises 429 when its model is at its own bound.
-        True when it counts against one (the driver then calls `leave_model`)."""
-        limit = self.model_limits.get(model) if model is not None and self.model_limits else None
-        if limit is None:
-            return False
-        assert model is not None
+    def enter_model(self, model: str | None) -> str | None:
+        """A request for `model` begins; raises 429 when its entry (its own, or its base
+        model's for an adapter) is at its bound. The entry it counts against, if any: the
+        driver then calls `leave_model` with it."""
+        model = self.model_entry(model, self.model_limits)
+        if model is None:
+            return None
+        limit = self.model_limits[model]
         running = self._model_in_flight.get(model, 0)
         if running >= limit:
             raise ClientError(429, f"model {model!r} has its limit of {limit} requests at once in flight; retry shortly",
                               "model_at_capacity", type_="rate_limit_error", retry_after=1)
         self._model_in_flight[model] = running + 1
-        return True
+        return model
 
     def leave_model(self, model: str) -> None:
         left = self._model_in_flight.get(model, 0) - 1

@@ -149,6 +149,7 @@ class Fleet:
         self.by_name: dict[str, Replica] = {r.name: r for r in self.replicas}
         self._known_models: frozenset[str] = frozenset()
         self._known_adapters: frozenset[str] = frozenset()
+        self._adapter_bases: dict[str, str] = {}  # adapter -> its base model
         self.refresh_adapters()
         self._known_models_at = float("-inf")
         self._count_roles()
@@ -305,13 +306,33 @@ class Fleet:
                 return adapter
         return None
 
+    def base_of(self, model: str | None) -> str | None:
+        """The base model of the adapter `model` names (BASE:ADAPTER's BASE, else the
+        `parent` replicas list it with, else the model of a replica configured to serve it);
+        None for a base model, or an adapter whose base nobody has said."""
+        if model is None:
+            return None
+        base, colon, adapter = model.partition(":")
+        if colon and adapter in self._known_adapters:
+            return base
+        return self._adapter_bases.get(model)
+
     def refresh_adapters(self) -> None:
         """After the replicas or what they list changed."""
         known: set[str] = set()
+        bases: dict[str, str] = {}
         for replica in self.replicas:
             known.update(replica.settings.adapters)
             known.update(replica.discovered_adapters)
+            for card in replica.model_cards:
+                parent = card.get("parent")
+                if isinstance(parent, str) and parent:
+                    bases.setdefault(card["id"], parent)
+            if replica.declared_model:
+                for adapter in replica.settings.adapters:
+                    bases.setdefault(adapter, replica.declared_model)
         self._known_adapters = frozenset(known)
+        self._adapter_bases = bases
 
     def counts(self) -> FleetCounts:
         return FleetCounts(len(self.replicas), sum(1 for r in self.replicas if r.healthy))

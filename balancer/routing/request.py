@@ -123,6 +123,11 @@ def parse_request(
     max_tokens = data.get("max_completion_tokens", data.get("max_tokens"))
     if route == "/generate" and isinstance(sampling := data.get("sampling_params"), dict):
         max_tokens = sampling.get("max_new_tokens")
+    adapter = lora_path_adapter(data.get("lora_path"))
+    if adapter is not None and (model is None or ":" not in model):
+        # SGLang's `lora_path` (its /generate's way, also read by its OpenAI routes, where a
+        # BASE:ADAPTER model wins): routed, keyed and counted as that BASE:ADAPTER spelling.
+        model = adapter if model is None else f"{model}:{adapter}"
     return RequestFeatures(
         route=route,
         model=model,
@@ -132,6 +137,20 @@ def parse_request(
         # A bad value is the replica's to refuse; for routing it is just not a bound.
         max_tokens=max_tokens if type(max_tokens) is int and max_tokens >= 0 else None,
     )
+
+
+def lora_path_adapter(lora_path: Any) -> str | None:
+    """The LoRA adapter SGLang's `lora_path` names: a registered adapter's
+    name, or one per prompt of a batch. A batch whose prompts all name one adapter runs
+    under it. None for the base model, and for a batch that mixes adapters (or adapters and
+    the base): it routes as the base model's, and the replica refuses what it cannot serve."""
+    if isinstance(lora_path, str):
+        return lora_path or None
+    if isinstance(lora_path, list) and lora_path:
+        first = lora_path[0]
+        if isinstance(first, str) and first and all(item == first for item in lora_path):
+            return first
+    return None
 
 
 def canonical_prompt(route: str, data: Mapping[str, Any]) -> str | list[int]:

@@ -2,6 +2,9 @@
 config lists it under `adapters.load_on_demand`, the replica the policy would choose among
 those serving its base model is asked to load it (vLLM's `/v1/load_lora_adapter`, SGLang's
 `/load_lora_adapter`: `{"lora_name", "lora_path"}`), and the request then routes as usual.
+A hot adapter spreads the same way: when the policy, ranking every replica of the base
+model, would rather pay a load on one that does not serve the adapter than wait on those
+that do, that one is asked to load it too.
 
 One load at a time per adapter: requests arriving while it loads wait for the same load.
 A failed load answers 503 `adapter_load_failed` naming the replica and its answer, and
@@ -14,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
 
 import aiohttp
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -45,40 +49,83 @@ class AdapterLoader(Collector):
         self._loading: dict[str, asyncio.Future[None]] = {}
         self.outcomes: Counter[tuple[str, str]] = Counter()  # (adapter, loaded | failed)
 
+    def spec(self, model: str | None) -> LoadableAdapter | None:
+        """The loadable adapter `model` names, as vLLM spells it or as SGLang's BASE:ADAPTER."""
+        if model is None:
+            return None
+        spec = self._loadable.get(model)
+        if spec is None and ":" in model:
+            base, _, name = model.partition(":")
+            spec = self._loadable.get(name)
+            if spec is not None and spec.base != base:
+                return None
+        return spec
+
     def __contains__(self, model: str | None) -> bool:
-        return model in self._loadable
+        return self.spec(model) is not None
 
     async def ensure(self, route: str, features: RequestFeatures, prompt: object,
                      allowed: frozenset[str] | None) -> None:
-        """Before routing a request for a loadable adapter: if no routable replica serves it,
-        have one load it. Raises the ClientError to answer with when that fails."""
-        spec = self._loadable[features.model or ""]
-        loop = asyncio.get_running_loop()
-        if self.core.fleet.routable(spec.name, allowed, loop.time()):
-            return
+        """Before routing a request for a loadable adapter. When no routable replica serves
+        it, have one load it; raises the ClientError to answer with when that fails. When
+        some do, but the policy would rather run the request on a replica of its base model
+        that does not (those serving it are busy enough to be worth a load), have that one
+        load it too; a failure there leaves the request to those already serving it."""
+        spec = self.spec(features.model)
+        assert spec is not None
+        now = asyncio.get_running_loop().time()
+        serving = self.core.fleet.routable(spec.name, allowed, now)
         pending = self._loading.get(spec.name)
+        if serving:
+            # One load of an adapter at a time: while it spreads, the others take its requests.
+            if pending is None:
+                await self._spread(spec, route, features, prompt, allowed, serving, now)
+            return
         if pending is None:
-            pending = self._loading[spec.name] = asyncio.ensure_future(
-                self._load(spec, route, features, prompt, allowed))
-            pending.add_done_callback(lambda done: self._settled(spec.name, done))
+            pending = self._begin(spec, self._choose(spec, route, features, prompt, allowed, now))
         # A client leaving does not cancel a load others may be waiting for.
         await asyncio.shield(pending)
+
+    async def _spread(self, spec: LoadableAdapter, route: str, features: RequestFeatures, prompt: object,
+                      allowed: frozenset[str] | None, serving: list[Replica], now: float) -> None:
+        others = [r for r in self.core.fleet.routable(spec.base, allowed, now)
+                  if r.has_room() and not r.serves(spec.name)]
+        if not others:
+            return
+        ranking = self.core.plan(route, features, prompt if isinstance(prompt, str | list) else None,
+                                 [*serving, *others]).ranking
+        best = ranking[0].replica
+        if not any(best is r for r in others):
+            return
+        assert isinstance(best, Replica)
+        pending = self._begin(spec, self._load_on(spec, best))
+        try:
+            await asyncio.shield(pending)
+        except ClientError:
+            pass  # counted and logged; the replicas serving it take this request
+
+    def _begin(self, spec: LoadableAdapter, load: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
+        pending = self._loading[spec.name] = asyncio.ensure_future(load)
+        pending.add_done_callback(lambda done: self._settled(spec.name, done))
+        return pending
 
     def _settled(self, name: str, done: asyncio.Future[None]) -> None:
         self._loading.pop(name, None)
         if not done.cancelled():
             done.exception()  # retrieved: every waiter may have left before it failed
 
-    async def _load(self, spec: LoadableAdapter, route: str, features: RequestFeatures, prompt: object,
-                    allowed: frozenset[str] | None) -> None:
-        loop = asyncio.get_running_loop()
-        candidates = [r for r in self.core.fleet.routable(spec.base, allowed, loop.time()) if r.has_room()]
+    async def _choose(self, spec: LoadableAdapter, route: str, features: RequestFeatures, prompt: object,
+                      allowed: frozenset[str] | None, now: float) -> None:
+        candidates = [r for r in self.core.fleet.routable(spec.base, allowed, now) if r.has_room()]
         if not candidates:
             raise ClientError(503, f"no replica serving base model {spec.base!r} can load adapter {spec.name!r} now",
                               "adapter_load_failed", type_="service_unavailable", retry_after=5)
         ranking = self.core.plan(route, features, prompt if isinstance(prompt, str | list) else None, candidates).ranking
         replica = ranking[0].replica
         assert isinstance(replica, Replica)
+        await self._load_on(spec, replica)
+
+    async def _load_on(self, spec: LoadableAdapter, replica: Replica) -> None:
         problem = await self._ask(replica, spec)
         if problem is not None:
             self.outcomes[(spec.name, "failed")] += 1

@@ -101,8 +101,8 @@ class Forwarder:
                 )
                 parse_s = time.perf_counter() - parse_began
                 outcome.model = features.model or ""
-                if self.core.model_limits and self.core.enter_model(features.model):
-                    counted_model = features.model
+                if self.core.model_limits:
+                    counted_model = self.core.enter_model(features.model)
                 if self.flow is not None:
                     ticket = self._ticket(request, features, started)
                     if ticket.ttft_slo_s is not None and self.flow.flow.would_wait():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import orjson
+
 from balancer.routing.request import canonical_prompt, parse_request
 
 
@@ -37,3 +39,23 @@ def test_pathological_nesting_is_not_walked() -> None:
     assert features.stream and features.prompt == ""
     deep_tools = {"model": "m", "messages": [], "tools": nested(300)}
     assert canonical_prompt("/v1/chat/completions", deep_tools) == "<|tools|>"
+
+
+def test_generate_routes_under_the_adapter_its_lora_path_names() -> None:
+    def model_of(lora_path: object, model: str | None = None) -> str | None:
+        body: dict = {"text": "hi", "lora_path": lora_path}
+        if model is not None:
+            body["model"] = model
+        return parse_request("/generate", orjson.dumps(body), None).model
+
+    assert model_of("sql") == "sql"
+    assert model_of(["sql", "sql"]) == "sql"
+    assert model_of("sql", model="base") == "base:sql"
+    # The base model, and batches that mix adapters or an adapter and the base, route as the base.
+    assert model_of(None) is None and model_of("") is None and model_of([]) is None
+    assert model_of(["sql", "chat"]) is None and model_of(["sql", None]) is None
+    assert model_of({"name": "sql"}) is None
+    # SGLang's OpenAI routes take lora_path too, where a BASE:ADAPTER model wins.
+    for model, expected in (("base", "base:sql"), ("base:chat", "base:chat")):
+        body = orjson.dumps({"model": model, "prompt": "hi", "lora_path": "sql"})
+        assert parse_request("/v1/completions", body, None).model == expected

@@ -112,3 +112,120 @@ async def test_a_load_the_replica_refuses_is_a_clear_503() -> None:
                 assert int(headers["Retry-After"]) >= 1
                 # The base model is still served meanwhile.
                 assert (await complete(http, running.url, BASE))[0] == 200
+
+
+async def generate(http: aiohttp.ClientSession, url: str, lora_path: str | None) -> tuple[int, dict, dict]:
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 4}}
+    if lora_path is not None:
+        body["lora_path"] = lora_path
+    async with http.post(url + "/generate", json=body) as resp:
+        return resp.status, dict(resp.headers), await resp.json()
+
+
+async def test_sglang_generate_names_its_adapter_in_lora_path() -> None:
+    # Only r1 serves `sql`: a /generate naming it must go there, not to any replica.
+    with ExitStack() as processes:
+        plain = processes.enter_context(ReplicaProcess(["--model", BASE, "--time-scale", "20"]))
+        lora = processes.enter_context(ReplicaProcess(LORA_ARGS))
+        async with AsyncExitStack() as stack:
+            settings = make_settings([{"url": plain.url, "name": "r0"},
+                                      {"url": lora.url, "name": "r1", "max_loras": 1, "lora_load_ms": 20}],
+                                     policy={"name": "predictive", "seed": 0}, routing={"route_header": True})
+            running = await stack.enter_async_context(run_balancer(settings))
+            async with aiohttp.ClientSession() as http:
+                for _ in range(2):
+                    status, headers, body = await generate(http, running.url, "sql")
+                    assert status == 200 and headers["x-kvlb-replica"] == "r1", body
+                assert terms_of(headers["x-kvlb-route"])["cached"] > 0
+                assert body["meta_info"]["cached_tokens"] > 0
+
+                # The same text under another adapter, or the base model: kvlb claims no hit.
+                status, headers, body = await generate(http, running.url, "chat")
+                assert status == 200 and headers["x-kvlb-replica"] == "r1", body
+                assert terms_of(headers["x-kvlb-route"])["cached"] == 0
+                assert body["meta_info"]["cached_tokens"] == 0
+                status, headers, body = await generate(http, running.url, None)
+                assert status == 200, body
+                route = headers["x-kvlb-route"]
+                assert all(float(part.split("=", 1)[1]) == 0
+                           for part in route.replace(";", " ").split() if part.startswith("cached=")), route
+
+                status, _, body = await generate(http, running.url, "nobody-serves-this")
+                assert status == 404 and body["error"]["code"] == "model_not_found", body
+
+
+async def test_an_adapter_falls_under_its_base_models_per_model_entry() -> None:
+    # Real time (scale 1), so one streamed answer of 100 tokens holds its place for about a second.
+    args = [*LORA_ARGS[:-1], "1"]
+    with ExitStack() as processes:
+        replicas = [processes.enter_context(ReplicaProcess(args)) for _ in range(2)]
+        async with AsyncExitStack() as stack:
+            settings = make_settings([{"url": r.url, "name": f"r{i}"} for i, r in enumerate(replicas)],
+                                     policy={"name": "predictive", "seed": 0},
+                                     per_model=[{"model": BASE, "policy": {"name": "round_robin"}, "max_in_flight": 1}])
+            running = await stack.enter_async_context(run_balancer(settings))
+            async with aiohttp.ClientSession() as http:
+                # The base's round robin, not predictive, which would keep the cached prompt on one.
+                served = []
+                for model in ("sql", "sql", f"{BASE}:sql", "sql"):
+                    status, headers, body = await complete(http, running.url, model)
+                    assert status == 200, body
+                    served.append(headers["x-kvlb-replica"])
+                assert served in (["r0", "r1"] * 2, ["r1", "r0"] * 2), served
+
+                async def stream_slowly(model: str) -> int:
+                    body = {"model": model, "prompt": "p", "max_tokens": 100, "stream": True}
+                    async with http.post(running.url + "/v1/completions", json=body) as resp:
+                        await resp.read()
+                        return resp.status
+
+                # One adapter's request holds the base model's one place: the other adapter's waits its turn.
+                slow = asyncio.create_task(stream_slowly("chat"))
+                await asyncio.sleep(0.3)
+                status, _, body = await complete(http, running.url, "sql")
+                assert status == 429 and body["error"]["code"] == "model_at_capacity", body
+                assert await slow == 200
+                assert (await complete(http, running.url, "sql"))[0] == 200
+
+
+async def test_a_hot_adapter_is_loaded_on_one_more_replica_and_a_cold_one_is_not() -> None:
+    args = ["--model", BASE, "--enable-lora", "--allow-runtime-lora-updating", "--max-loras", "2",
+            "--time-scale", "20"]
+    loadable = [{"name": "sql", "path": "/adapters/sql", "base": BASE}]
+    with ExitStack() as processes:
+        replicas = [processes.enter_context(ReplicaProcess(args)) for _ in range(2)]
+        async with AsyncExitStack() as stack:
+            settings = make_settings([{"url": r.url, "name": f"r{i}", "max_loras": 2} for i, r in enumerate(replicas)],
+                                     policy={"name": "predictive", "seed": 0},
+                                     adapters={"load_on_demand": loadable})
+            running = await stack.enter_async_context(run_balancer(settings))
+            async with aiohttp.ClientSession() as http:
+                async def loads() -> float:
+                    async with http.get(running.url + "/metrics") as resp:
+                        text = await resp.text()
+                    line = 'kvlb_adapter_loads_total{adapter="sql",outcome="loaded"} '
+                    return sum(float(row[len(line):]) for row in text.splitlines() if row.startswith(line))
+
+                # One at a time, the same prompt: the replica that loaded it keeps it, alone.
+                first = set()
+                for _ in range(6):
+                    status, headers, body = await complete(http, running.url, "sql")
+                    assert status == 200, body
+                    first.add(headers["x-kvlb-replica"])
+                assert len(first) == 1 and await loads() == 1
+
+                # Many at once, each with a long prompt of its own: one replica's queue is worth a load elsewhere.
+                async def busy(i: int) -> tuple[int, str]:
+                    body = {"model": "sql", "prompt": f"question {i} " + "tell me more " * 700, "max_tokens": 32}
+                    async with http.post(running.url + "/v1/completions", json=body) as resp:
+                        await resp.read()
+                        return resp.status, resp.headers.get("x-kvlb-replica", "")
+
+                results = await asyncio.gather(*(busy(i) for i in range(24)))
+                assert [status for status, _ in results] == [200] * 24
+                assert {replica for _, replica in results} == {"r0", "r1"}
+                assert await loads() == 2
+                for replica in replicas:
+                    async with http.get(replica.url + "/v1/models") as resp:
+                        listed = {card["id"] for card in (await resp.json())["data"]}
+                    assert "sql" in listed
