@@ -111,20 +111,32 @@ class AdapterSlots:
 
     def started(self, adapter: str) -> None:
         """A request on `adapter` was sent here."""
+        if self._use(adapter):
+            self.loads += 1
+        self._running[adapter] = self._running.get(adapter, 0) + 1
+
+    def touched(self, adapter: str) -> None:
+        """Another kvlb instance sent a request on `adapter` here (balancer/watchers/sync.py):
+        the engine has it in a slot now, its most recent. That instance counts the load and
+        the request's run; here it only orders the slots and counts in the demand."""
+        self._use(adapter)
+
+    def _use(self, adapter: str) -> bool:
+        """`adapter` becomes the most recently used, loaded in the engine's victim's place if
+        it was not resident: True then."""
         resident = self._resident
         demand = self.demand
         demand.requested(adapter)
         if adapter in resident:
             resident.move_to_end(adapter)
-        else:
-            victim = self.victim()
-            if victim is not None:
-                del resident[victim]
-                demand.evicted(victim)
-            resident[adapter] = None
-            demand.loaded(adapter)
-            self.loads += 1
-        self._running[adapter] = self._running.get(adapter, 0) + 1
+            return False
+        victim = self.victim()
+        if victim is not None:
+            del resident[victim]
+            demand.evicted(victim)
+        resident[adapter] = None
+        demand.loaded(adapter)
+        return True
 
     def ended(self, adapter: str) -> None:
         _decrement(self._running, adapter)

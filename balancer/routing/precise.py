@@ -76,7 +76,7 @@ class PreciseTracker(CacheTracker):
             blocks = min(blocks, longest)
             if blocks:
                 cached[name] = blocks * self.block_size
-        return Routed(hashes, tokens, cached, self.block_size, model)
+        return Routed(hashes, tokens, cached, self.block_size, model, adapter=adapter)
 
     def _record_routed(self, routed: Routed, replica: Replica) -> None:
         self.pending.record(replica.name, routed.hashes)

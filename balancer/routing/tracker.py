@@ -38,6 +38,7 @@ class Routed:
     block_tokens: float  # the tokens one of these blocks is predicted to hold
     model: str | None = None
     chars: int = 0  # the text prompt's length in characters; 0 for token ids
+    adapter: str | None = None  # the LoRA adapter its blocks are keyed by
     learned: bool = False
     # When the chosen replica last used the deepest block it was predicted to hold, before
     # this request refreshed it: what its LRU engine would have evicted first if it missed.
@@ -54,9 +55,10 @@ class Lesson:
 
 
 class CacheTracker:
-    # Called with (replica name, the prompt's block hashes) each time a request is sent: how
-    # other instances learn this one's decisions (balancer/watchers/sync.py).
-    on_record: Callable[[str, Sequence[int]], None] | None = None
+    # Called with (replica name, the prompt's block hashes, its LoRA adapter or None) each
+    # time a request is sent: how other instances learn this one's decisions
+    # (balancer/watchers/sync.py).
+    on_record: Callable[[str, Sequence[int], str | None], None] | None = None
 
     def __init__(self, settings: RoutingSettings, clock: Callable[[], float]) -> None:
         self.hasher = PrefixHasher(settings.block_chars, settings.tokens_per_char)
@@ -82,7 +84,7 @@ class CacheTracker:
             prompt_tokens = len(prompt)
             per_block = hasher.block_tokens
         cached = {name: int(blocks * per_block) for name, blocks in self.index.match(hashes).items()}
-        return Routed(hashes, prompt_tokens, cached, per_block, model, chars)
+        return Routed(hashes, prompt_tokens, cached, per_block, model, chars, adapter)
 
     def uncached(self, routed: Routed, replica: Replica) -> int:
         """The prompt tokens `replica` must compute, by the prediction."""
@@ -92,7 +94,7 @@ class CacheTracker:
         """The request is being sent to `replica`."""
         self._record_routed(routed, replica)
         if self.on_record is not None:
-            self.on_record(replica.name, routed.hashes)
+            self.on_record(replica.name, routed.hashes, routed.adapter)
 
     def _record_routed(self, routed: Routed, replica: Replica) -> None:
         blocks = int(routed.cached.get(replica.name, 0) / routed.block_tokens)

@@ -3,11 +3,14 @@
 Three things travel, all in background tasks; a request never waits for Redis:
 
 - Routing events. Each request sent to a replica becomes (replica, time, the prompt's block
-  hashes). Events wait in a bounded queue and leave every `publish_interval_s` as one entry
-  per batch on the instance's own Redis stream (`<prefix>:routes:<id>`, trimmed to about
-  `stream_max_len` entries). Each instance reads its peers' streams and records their events
-  in its own prefix index, so a conversation's next turn finds its replica whichever
-  instance it reaches.
+  hashes, its LoRA adapter or None). Events wait in a bounded queue and leave every
+  `publish_interval_s` as one entry per batch on the instance's own Redis stream
+  (`<prefix>:routes:<id>`, trimmed to about `stream_max_len` entries); the adapters, where
+  any event has one, in a field of their own that older instances do not read. Each
+  instance reads its peers' streams and records their events in its own prefix index, and
+  their adapters in its account of each replica's adapter slots, so a conversation's next
+  turn finds its replica, and an adapter the replica that loaded it, whichever instance it
+  reaches.
 - Load. Every `load_interval_s` each instance writes its own per-replica in-flight requests,
   queued prefill tokens, decoding requests and their context tokens under `<prefix>:instance:<id>`, expiring after
   `load_ttl_s`, and reads the others' keys; the same snapshot also rides on every stream
@@ -148,7 +151,7 @@ class StateSync:
             socket_timeout=settings.timeout_s + 1.0,
             socket_connect_timeout=settings.timeout_s,
         )
-        self._pending: deque[tuple[str, float, bytes]] = deque()
+        self._pending: deque[tuple[str, float, bytes, str | None]] = deque()
         self._tasks: list[asyncio.Task[None]] = []
         # Per peer stream, the id of the last entry read; a peer seen for the first time is
         # read from the start of its (bounded) stream, which is how a new instance warms up.
@@ -175,11 +178,11 @@ class StateSync:
 
     # -- the request path: an append, nothing more ---------------------------------------
 
-    def routed(self, replica: str, hashes: Sequence[int]) -> None:
+    def routed(self, replica: str, hashes: Sequence[int], adapter: str | None = None) -> None:
         if len(self._pending) >= self.settings.max_pending_events:
             self._pending.popleft()
             self.stats.dropped += 1
-        self._pending.append((replica, time.time(), array("Q", hashes).tobytes()))
+        self._pending.append((replica, time.time(), array("Q", hashes).tobytes(), adapter))
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -265,16 +268,16 @@ class StateSync:
         if not self._pending and load == self._published_load:
             return
         batch = list(self._pending)[:MAX_BATCH]
-        index = orjson.dumps([(replica, at, len(hashes) // 8) for replica, at, hashes in batch])
+        index = orjson.dumps([(replica, at, len(hashes) // 8) for replica, at, hashes, _ in batch])
+        fields = {b"e": index, b"h": b"".join(hashes for _, _, hashes, _ in batch), b"l": self._snapshot(load)}
+        adapters = [adapter for _, _, _, adapter in batch]
+        if any(adapters):
+            # A field of its own, one entry per event: instances that predate it read the rest.
+            fields[b"a"] = orjson.dumps(adapters)
         pipe = self.redis.pipeline(transaction=False)
         # The load rides along, so peers learn within a batch interval that a request ended,
         # rather than at the next snapshot.
-        pipe.xadd(
-            self.stream_key,
-            {b"e": index, b"h": b"".join(hashes for _, _, hashes in batch), b"l": self._snapshot(load)},
-            maxlen=self.settings.stream_max_len,
-            approximate=True,
-        )
+        pipe.xadd(self.stream_key, fields, maxlen=self.settings.stream_max_len, approximate=True)
         # The stream of an instance that died without cleaning up goes away on its own.
         pipe.expire(self.stream_key, STREAM_EXPIRY_S)
         await pipe.execute()
@@ -318,17 +321,20 @@ class StateSync:
         if snapshot is not None:
             self._keep_snapshot(peer, *snapshot)
 
-    def _apply(self, index: list[list[Any]], hashes: array) -> None:
+    def _apply(self, index: list[list[Any]], hashes: array, adapters: list[str | None] | None) -> None:
         record = self.tracker.index.record  # type: ignore[union-attr]
         known = self.fleet.by_name
         now = time.time()
         offset = 0
-        for replica, at, count in index:
+        for i, (replica, at, count) in enumerate(index):
             path = hashes[offset : offset + count].tolist()
             offset += count
             if replica not in known:
                 continue  # a replica this instance does not route to
             record(replica, path)
+            if adapters is not None and (adapter := adapters[i]) is not None:
+                # The engine's slots follow every instance's requests, not this one's only.
+                known[replica].adapter_slots.touched(adapter)
             self.stats.applied += 1
             self.stats.observe_lag(max(0.0, now - at))
 
@@ -464,8 +470,9 @@ class StateSync:
             self.flow_share.forget()
 
 
-def _events_of(fields: dict[bytes, Any]) -> tuple[list[list[Any]], array]:
-    """A stream entry's routing events: [[replica, wall time, hash count]] and the hashes."""
+def _events_of(fields: dict[bytes, Any]) -> tuple[list[list[Any]], array, list[str | None] | None]:
+    """A stream entry's routing events: [[replica, wall time, hash count]], the hashes, and
+    each event's LoRA adapter (None: the base model) where any event had one."""
     try:
         index = orjson.loads(fields[b"e"])
         hashes = array("Q")
@@ -485,7 +492,16 @@ def _events_of(fields: dict[bytes, Any]) -> tuple[list[list[Any]], array]:
         total += event[2]
     if total != len(hashes):
         raise MalformedEntry(f"events count {total} hashes, the entry holds {len(hashes)}")
-    return index, hashes
+    adapters = None
+    if b"a" in fields:
+        try:
+            adapters = orjson.loads(fields[b"a"])
+        except (ValueError, TypeError) as exc:
+            raise MalformedEntry(f"unreadable adapters: {exc}") from None
+        if not (isinstance(adapters, list) and len(adapters) == len(index)
+                and all(a is None or (type(a) is str and a) for a in adapters)):
+            raise MalformedEntry(f"adapters are not one name or null per event: {reprlib.repr(adapters)}")
+    return index, hashes, adapters
 
 
 def _snapshot_of(raw: Any) -> tuple[float, dict[str, list[int]]]:

@@ -17,7 +17,7 @@ from loadtest.client.workloads import load_workload
 from loadtest.compare.livefleet import LiveFleet
 from loadtest.procs import free_port, stop_process, wait_for_http
 from loadtest.replica.config import ReplicaConfig
-from loadtest.replica.launch import running_replica
+from loadtest.replica.launch import ReplicaProcess, running_replica
 from tests.conftest import make_settings, run_balancer
 
 MODEL = "sim-model"
@@ -255,3 +255,35 @@ def test_workers_stop_together_on_sigterm(tmp_path):
         assert subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True).returncode == 1
     finally:
         stop_process(proc)
+
+
+async def test_the_adapters_a_peer_sent_to_a_replica_fill_its_slots_here(redis_server):
+    # Two replicas serving adapters, one slot each. A sends `sql` to one of them; B, which
+    # has routed nothing, must know that replica holds `sql` and the other does not.
+    args = ["--model", MODEL, "--enable-lora", "--lora-modules", "sql=/a/sql", "chat=/a/chat", "--max-loras", "1",
+            "--time-scale", "20"]
+    fast = redis_server.sync_settings(load_interval_s=0.05)
+    with contextlib.ExitStack() as processes:
+        urls = [processes.enter_context(ReplicaProcess(args)).url for _ in range(2)]
+        config = make_settings([{"url": url, "name": f"replica-{i}", "max_loras": 1, "lora_load_ms": 500}
+                                for i, url in enumerate(urls)],
+                               policy={"name": "predictive", "seed": 0}, sync=fast, routing={"route_header": True})
+        async with run_balancer(config) as a, run_balancer(config) as b, aiohttp.ClientSession() as http:
+            await until(lambda: a.balancer.sync.stats.peers == 1 and b.balancer.sync.stats.peers == 1)
+
+            async def send(base: str, adapter: str, prompt: str) -> tuple[str, str]:
+                body = {"model": adapter, "prompt": prompt, "max_tokens": 2}
+                async with http.post(base + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    return resp.headers["x-kvlb-replica"], resp.headers["x-kvlb-route"]
+
+            holder, _ = await send(a.url, "sql", "the first question")
+            other = next(r for r in b.balancer.fleet.replicas if r.name != holder)
+            mine = b.balancer.fleet.by_name[holder]
+            await until(lambda: mine.adapter_slots.holds("sql"))
+            assert not other.adapter_slots.holds("sql") and mine.adapter_slots.loads == 0
+            # B prices no load where A's request left `sql`, and sends its own there, with
+            # another prompt: not drawn by a cached prefix.
+            replica, route = await send(b.url, "sql", "a question of another kind altogether")
+            chosen = dict(part.split("=", 1) for part in route.split(";")[0].split()[1:])
+            assert replica == holder and float(chosen["adapter_ms"]) == 0, route
