@@ -151,10 +151,11 @@ class ReplicaSettings:
     # connect, the engines' own rule the other way round.
     kv_events_endpoint: str | None = _checked(None, _zmq_endpoint)
     # LoRA adapters it serves besides those its /v1/models lists (a `parent` marks them
-    # there), how many it holds in GPU slots at once (vLLM --max-loras, whose default is 1;
-    # SGLang --max-loras-per-batch) and what loading one into a slot costs.
+    # there), how many it holds in GPU slots at once (vLLM --max-loras, SGLang
+    # --max-loras-per-batch; None: as the engine reports it, and 1, vLLM's default, until it
+    # has) and what loading one into a slot costs.
     adapters: tuple[str, ...] = ()
-    max_loras: int = _checked(1, _at_least(1))
+    max_loras: int | None = _checked(None, _at_least(1))
     lora_load_ms: float = _checked(100.0, _rule(lambda v: v >= 0, "must be >= 0, got {!r}"))
     # Prefill/decode disaggregation (docs/disaggregation.md): which half of a request it
     # serves, and, for a prefill server speaking SGLang's protocol, the port of its

@@ -20,6 +20,7 @@ Sans I/O and clock; bounded by the slots and by `MAX_ADAPTERS`.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 # Per adapter request anywhere in the fleet: the weight of earlier ones in an adapter's
 # demand. About the last 1 / (1 - FADE) requests count.
@@ -114,6 +115,35 @@ class AdapterSlots:
         if self._use(adapter):
             self.loads += 1
         self._running[adapter] = self._running.get(adapter, 0) + 1
+
+    def resize(self, capacity: int) -> None:
+        """The engine reported how many adapters it holds at once (`max_loras`); with fewer
+        slots than before, the least recently used go first, as the engine would have them."""
+        if capacity < 1:
+            raise ValueError("an adapter replica holds at least one adapter")
+        self.capacity = capacity
+        resident = self._resident
+        while len(resident) > capacity:
+            victim = self.victim()
+            assert victim is not None
+            del resident[victim]
+            self.demand.evicted(victim)
+
+    def running_on_engine(self, adapters: Iterable[str]) -> None:
+        """The engine reported these adapters running now: they are in its slots, its most
+        recently used (engines touch every running adapter at each step), whoever sent
+        their requests (another balancer, a client going straight to it)."""
+        resident = self._resident
+        for adapter in adapters:
+            if adapter in resident:
+                resident.move_to_end(adapter)
+                continue
+            victim = self.victim()
+            if victim is not None:
+                del resident[victim]
+                self.demand.evicted(victim)
+            resident[adapter] = None
+            self.demand.loaded(adapter)
 
     def touched(self, adapter: str) -> None:
         """Another kvlb instance sent a request on `adapter` here (balancer/watchers/sync.py):

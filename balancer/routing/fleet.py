@@ -24,6 +24,7 @@ class Replica:
         "prefill_tokens_queued", "decoding", "breaker", "draining", "settings",
         "remote_in_flight", "remote_prefill_tokens_queued", "remote_decoding", "remote_context_tokens",
         "context_tokens", "latency", "decode_latency", "adapter_slots", "discovered_adapters",
+        "engine_max_loras",
     )
 
     def __init__(self, settings: ReplicaSettings, breaker: BreakerSettings | None = None,
@@ -62,7 +63,10 @@ class Replica:
         # The LoRA adapters among them (cards with a `parent`), and kvlb's model of which
         # are in its GPU slots (balancer/routing/adapters.py).
         self.discovered_adapters: frozenset[str] = frozenset()
-        self.adapter_slots = AdapterSlots(settings.max_loras, settings.lora_load_ms, demand)
+        self.adapter_slots = AdapterSlots(settings.max_loras or 1, settings.lora_load_ms, demand)
+        # The slots the engine itself reported holding (SGLang's /get_server_info, vLLM's
+        # lora_requests_info), None until it has; used where config names no `max_loras`.
+        self.engine_max_loras: int | None = None
 
     @property
     def ttft_scale(self) -> float:

@@ -254,6 +254,7 @@ class ReplicaServer:
             "kv_events_topic": self.config.kv_events_topic,
             "kv_events_encoding": self.config.kv_events_encoding,
             "max_loras": engine_config.max_loras,
+            "max_loras_per_batch": engine_config.max_loras,  # SGLang's name for it
             "disaggregation_mode": self.config.disaggregation_mode,
             "disaggregation_bootstrap_port": self.bootstrap_port,
             "kv_transfer_config": _kv_transfer_config(self.config),

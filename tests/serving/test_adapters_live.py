@@ -229,3 +229,46 @@ async def test_a_hot_adapter_is_loaded_on_one_more_replica_and_a_cold_one_is_not
                     async with http.get(replica.url + "/v1/models") as resp:
                         listed = {card["id"] for card in (await resp.json())["data"]}
                     assert "sql" in listed
+
+
+async def test_the_engine_says_how_many_adapters_it_holds_and_which_run() -> None:
+    # Config names no max_loras: kvlb takes the engine's 2, not vLLM's default of 1. And an
+    # adapter a client runs on the replica without kvlb is in its slots all the same.
+    args = ["--model", BASE, "--enable-lora", "--lora-modules", "sql=/a/sql", "chat=/a/chat", "sum=/a/sum",
+            "--max-loras", "2", "--time-scale", "1"]
+    with ExitStack() as processes:
+        replica = processes.enter_context(ReplicaProcess(args))
+        async with AsyncExitStack() as stack:
+            settings = make_settings([{"url": replica.url, "name": "r0", "lora_load_ms": 500}],
+                                     policy={"name": "predictive", "seed": 0}, routing={"route_header": True},
+                                     models={"refresh_s": 0.1})
+            running = await stack.enter_async_context(run_balancer(settings))
+            slots = running.balancer.fleet.by_name["r0"].adapter_slots
+            assert slots.capacity == 2
+            async with aiohttp.ClientSession() as http:
+                async def load_priced(model: str, base: str = running.url) -> float:
+                    body = {"model": model, "prompt": "a short question", "max_tokens": 1}
+                    async with http.post(base + "/v1/completions", json=body) as resp:
+                        assert resp.status == 200, await resp.text()
+                        return terms_of(resp.headers["x-kvlb-route"])["adapter_ms"]
+
+                # Two slots: sql is still there after chat.
+                assert [await load_priced(m) for m in ("sql", "chat", "sql")] == [500, 500, 0]
+
+                # `sum` streams straight from the replica, where kvlb cannot see it...
+                async def direct() -> None:
+                    body = {"model": "sum", "prompt": "p", "max_tokens": 300, "stream": True}
+                    async with http.post(replica.url + "/v1/completions", json=body) as resp:
+                        await resp.read()
+
+                beside = asyncio.create_task(direct())
+                try:
+                    # ...but the engine's lora_requests_info names it, and the next round of
+                    # discovery puts it in kvlb's account: no load priced for it.
+                    deadline = asyncio.get_running_loop().time() + 2.0
+                    while not slots.holds("sum"):
+                        assert asyncio.get_running_loop().time() < deadline, slots.resident()
+                        await asyncio.sleep(0.05)
+                    assert await load_priced("sum") == 0
+                finally:
+                    beside.cancel()
