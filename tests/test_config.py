@@ -322,3 +322,11 @@ def test_kvlb_check_config_end_to_end(tmp_path):
     assert lines[0] == f"{path}: replicas[0].url: not an http(s) URL: 'ftp://x'"
     assert lines[1].startswith(f"{path}: policy.name: unknown policy 'foo'; known: ")
     assert len(lines) == 2
+
+
+def test_the_two_models_example_gives_the_70b_its_own_engine_model_and_bound():
+    s = load_settings(EXAMPLE.parent / "two-models.yaml")
+    (big,) = s.per_model
+    assert big.model == "llama-3.1-70b" and big.max_in_flight == 256
+    assert big.policy is not None and big.policy.params["prefill_ms_per_token"] == 0.0668
+    assert {r.model for r in s.replicas} == {"llama-3.1-70b", "llama-3.1-8b"}

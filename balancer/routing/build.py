@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from balancer.config import HealthSettings, Settings
+from balancer.config import HealthSettings, ModelSettings, Settings
 from balancer.routing.admission import AdmissionQueue
 from balancer.routing.breaker import BreakerSettings
 from balancer.routing.core import CallAt, CoreSettings, RoutingCore
@@ -50,9 +50,7 @@ def build_core(
     core's timers. Both default to the event loop's monotonic time, as in `kvlb serve`."""
     fleet = Fleet(settings.replicas, breaker_settings(settings.health))
     policy = policy or make_policy(settings.policy.name, settings.policy.params, settings.policy.seed)
-    model_policies = {m.model: make_policy(m.policy.name, m.policy.params, m.policy.seed)
-                      for m in settings.per_model if m.policy is not None}
-    model_limits = {m.model: m.max_in_flight for m in settings.per_model if m.max_in_flight is not None}
+    model_policies, model_limits = per_model_routing(settings.per_model)
     # Prefix hashing and the index cost CPU on every request: only for policies that use them.
     needs_prompt = policy.needs_prompt or any(p.needs_prompt for p in model_policies.values())
     tracker: CacheTracker | None = None
@@ -66,6 +64,14 @@ def build_core(
     core_settings = CoreSettings(settings.retries.max_attempts, routing.region, routing.forget_unhealthy_after_s)
     return RoutingCore(fleet, policy, tracker, queue, core_settings, call_at, flow_controller(settings, fleet),
                        model_policies, model_limits)
+
+
+def per_model_routing(per_model: Sequence[ModelSettings]) -> tuple[dict[str, Policy], dict[str, int]]:
+    """`per_model` as the core takes it: each model's own policy, and its own bound."""
+    policies = {m.model: make_policy(m.policy.name, m.policy.params, m.policy.seed)
+                for m in per_model if m.policy is not None}
+    limits = {m.model: m.max_in_flight for m in per_model if m.max_in_flight is not None}
+    return policies, limits
 
 
 def flow_controller(settings: Settings, fleet: Fleet) -> FlowController | None:

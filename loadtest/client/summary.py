@@ -44,6 +44,8 @@ class RequestRecord:
     ttft_slo_s: float | None = None
     queued_s: float | None = None
     reject_reason: str | None = None
+    # The model its workload named (`model=`), None where it named none.
+    model: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -137,10 +139,28 @@ def summarize(
         "ideal_ttft_s": _ideal(ideal),
         "ttft_over_ideal": _over(against, ideal),
     }
+    models = sorted({r.model for r in records if r.model is not None})
+    if len(models) > 1:
+        summary["by_model"] = {model: _model_summary([r for r in records if r.model == model]) for model in models}
     # The statistics keep their meaning whatever a caller passes along with them.
     for key, value in (meta or {}).items():
         summary.setdefault(key, value)
     return summary
+
+
+def _model_summary(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """One model's share of a run with several behind one endpoint."""
+    ok = [r for r in records if r.ok]
+    ttft = _present(r.ttft_s for r in ok)
+    e2e = _present(r.e2e_s for r in ok)
+    prompt = sum(r.prompt_tokens for r in ok)
+    return {
+        "requests": len(records),
+        "errors": len(records) - len(ok),
+        "cache_hit_ratio": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+        "ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
+        "e2e_s": {"p50": percentile(e2e, 50), "p99": percentile(e2e, 99)},
+    }
 
 
 def error_digest(summary: Mapping[str, Any]) -> str:
@@ -167,7 +187,18 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     per_replica = summary["requests_per_replica"]
     if per_replica:
         lines.append("per replica: " + ", ".join(f"{k}={v}" for k, v in per_replica.items()))
+    lines.extend(model_lines(summary))
     return "\n".join(lines)
+
+
+def model_lines(summary: Mapping[str, Any]) -> list[str]:
+    """A line per model, for a run with several behind one endpoint."""
+    return [
+        f"  {model}: {m['requests']} requests, {m['errors']} errors, cache hit {m['cache_hit_ratio']:.3f}, "
+        f"TTFT p50 {_ms(m['ttft_s']['p50'])} p99 {_ms(m['ttft_s']['p99'])}, "
+        f"E2E p50 {_ms(m['e2e_s']['p50'])} p99 {_ms(m['e2e_s']['p99'])}"
+        for model, m in (summary.get("by_model") or {}).items()
+    ]
 
 
 def write_results(

@@ -19,6 +19,13 @@ Keys of every kind:
     rate=R          trace kinds: replace the trace's arrival times by Poisson arrivals at R
                     requests/s, keeping the trace's order (default: keep the trace's times)
     seed=0          seed of Poisson arrivals, shuffles, tenant draws and generated text
+    model=NAME      the `model` every request names (default: the one the runner was given)
+
+Several specs joined by `;` make one workload of all their requests, by arrival time (a
+part that names no seed takes its position, 0, 1, ..., as its seed): for example two models
+behind one endpoint,
+
+    multi-turn,model=llama-3.1-8b,rate=2;long-prompt,model=llama-3.1-70b,rate=0.5
 
 mooncake:PATH   Mooncake JSONL trace, one object per line: `timestamp` (ms), `input_length`,
                 `output_length` (tokens), `hash_ids` (one id per block of the prompt; equal ids
@@ -169,6 +176,8 @@ class WorkRequest:
     priority: str | None = None
     # The LoRA adapter it runs under: its `model`, as vLLM names adapters.
     adapter: str | None = None
+    # The model it names, where its workload says (`model=`); else the runner's.
+    model: str | None = None
     # A recorded request body sent as it is (`payloads:FILE`), instead of one built from parts.
     body: Mapping[str, Any] | None = field(default=None, repr=False)
 
@@ -176,6 +185,8 @@ class WorkRequest:
         """The OpenAI JSON body for this request, built fresh from its recipe."""
         if self.adapter is not None:
             model = self.adapter
+        elif self.model is not None:
+            model = self.model
         if self.body is not None:
             recorded = {**self.body, "stream": stream}
             if model is not None:
@@ -536,6 +547,12 @@ def _choice(*allowed: str) -> Callable[[str], str]:
     return parse
 
 
+def _name(text: str) -> str:
+    if not text:
+        raise ValueError("must not be empty")
+    return text
+
+
 def _boolean(text: str) -> bool:
     if text.lower() in ("true", "yes", "1"):
         return True
@@ -555,7 +572,7 @@ _COUNT, _RATE = _integer(1), _number(True)
 _Option = tuple[Callable[[str], Any], Any]
 _COMMON: dict[str, _Option] = {
     "speedup": (_RATE, 1.0), "limit": (_COUNT, None), "rate": (_RATE, None),
-    "seed": (_integer(0), 0),
+    "seed": (_integer(0), 0), "model": (_name, None),
 }
 _ON_ERROR: _Option = (_choice("skip", "fail"), "skip")
 _Builder = Callable[[Any, dict, random.Random], tuple[str, list, list]]
@@ -636,6 +653,27 @@ def _parse_spec(spec: str) -> tuple[str, str | None, dict[str, Any]]:
 
 def load_workload(spec: str) -> Workload:
     """Build the workload a spec describes (grammar and keys in this module's docstring)."""
+    parts = [part.strip() for part in spec.split(";")]
+    if len(parts) == 1:
+        return _load_one(spec)
+    if not all(parts):
+        raise WorkloadError(f"workload {spec!r}: an empty spec between ';'")
+    # A part that names no seed takes its position: equal seeds would draw equal arrivals.
+    loaded = [_load_one(part if n == 0 or _names_seed(part) else f"{part},seed={n}")
+              for n, part in enumerate(parts)]
+    # Each part keeps its own order at equal times, the earlier part first.
+    merged = sorted(((r.arrival_s, n, r.index, r) for n, w in enumerate(loaded) for r in w.requests),
+                    key=lambda item: item[:3])
+    requests = tuple(dataclasses.replace(r, index=i) for i, (*_, r) in enumerate(merged))
+    return Workload(spec, "; ".join(w.description for w in loaded), requests, loaded[0].seed,
+                    tuple(warning for w in loaded for warning in w.warnings))
+
+
+def _names_seed(spec: str) -> bool:
+    return any(item.partition("=")[0].strip() == "seed" for item in spec.split(",")[1:])
+
+
+def _load_one(spec: str) -> Workload:
     name, path, opts = _parse_spec(spec)
     build, trace, _ = _KINDS[name]
     rng = random.Random(opts["seed"])
@@ -654,8 +692,10 @@ def load_workload(spec: str) -> Workload:
         notes.append(f"speed-up {opts['speedup']:g}")
     if warnings:
         notes.append(f"{len(warnings)} lines skipped")
+    if opts["model"] is not None:
+        notes.append(f"model {opts['model']}")
     requests = tuple(
-        dataclasses.replace(d, index=i, arrival_s=at)
+        dataclasses.replace(d, index=i, arrival_s=at, model=opts["model"])
         for i, (d, at) in enumerate(zip(drafts, arrivals, strict=True))
     )
     description = f"{what}: {len(requests)} requests over {arrivals[-1]:.1f} s"

@@ -36,6 +36,7 @@ from loadtest.simulator.cli import (
     flow_sections,
     flow_settings,
     ideal_for,
+    per_model_settings,
     policy_settings,
     run_offline,
     workload_from_args,
@@ -53,11 +54,12 @@ def compare_offline(
     results: Results = {}
     ideal = ideal_for(workload, fleet)  # the same limit for every policy
     flow = flow_settings(policy_config)
+    per_model = per_model_settings(policy_config)
     for name in policies:
         policy, routing = policy_settings(name, policy_config, seed)
         results[name] = run_offline(
             workload, fleet, policy, routing, out_dir / name, progress=progress, precise=precise, ideal=ideal,
-            flow=flow,
+            flow=flow, per_model=per_model,
         )
     return results
 
@@ -141,7 +143,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--workload", required=True, help="workload spec (see loadtest/client/workloads.py)")
     parser.add_argument("--policies", default="random,round_robin,least_load,cache_aware,predictive",
                         help="comma-separated policy names (default: %(default)s)")
-    parser.add_argument("--policy-config", help="kvlb config whose policy params apply to that policy")
+    parser.add_argument("--policy-config", help="kvlb config whose policy params apply to that policy; "
+                        "offline, its per_model entries apply too")
     parser.add_argument("--live", action="store_true", help="through real replica and kvlb processes")
     parser.add_argument("--external", action="append", type=_external, default=[], metavar="NAME=COMMAND",
                         help="another router for live runs; COMMAND may use {port}, {workers}, {workers_csv}")

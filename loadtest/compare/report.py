@@ -38,6 +38,26 @@ def table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     return head + "\n".join(rows) + "\n"
 
 
+def by_model(summaries: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Per model, for runs with several models behind one endpoint: each run's share."""
+    if not any(s.get("by_model") for s in summaries.values()):
+        return []
+    lines = [
+        "Per model:",
+        "",
+        "| policy | model | requests | errors | cache hit | TTFT p50 | TTFT p99 | E2E p50 | E2E p99 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, s in summaries.items():
+        for model, m in (s.get("by_model") or {}).items():
+            lines.append(
+                f"| {name} | {model} | {m['requests']} | {m['errors']} | {m['cache_hit_ratio']:.3f} "
+                f"| {_ms(m['ttft_s']['p50'])} | {_ms(m['ttft_s']['p99'])} | {_ms(m['e2e_s']['p50'])} "
+                f"| {_ms(m['e2e_s']['p99'])} |"
+            )
+    return lines
+
+
 def against_ideal(summaries: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """The limit beside the result: the ideal fleet's TTFT, then each run's multiple of it."""
     ideal = next((s["ideal_ttft_s"] for s in summaries.values() if s.get("ideal_ttft_s")), None)
@@ -170,6 +190,9 @@ def write_report(
         "",
         table(summaries),
     ]
+    models = by_model(summaries)
+    if models:
+        lines += models + [""]
     baseline = against_baseline(summaries)
     if baseline:
         lines += baseline + [""]

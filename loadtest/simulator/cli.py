@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +19,13 @@ from balancer.config import (
     ConfigError,
     DisaggregationSettings,
     Limits,
+    ModelSettings,
     PolicySettings,
     RoutingSettings,
     Settings,
     parse_settings,
 )
-from loadtest.client.summary import RequestRecord, summarize, write_results
+from loadtest.client.summary import RequestRecord, model_lines, summarize, write_results
 from loadtest.client.workloads import Workload, WorkloadError, load_workload
 from loadtest.replica.profiles import DEFAULT_PROFILE, PROFILES
 from loadtest.simulator.fleetspec import FleetError, FleetPlan, load_fleet, uniform_fleet
@@ -47,6 +48,11 @@ HARNESS_LIMITS = Limits(max_in_flight=100_000)
 
 class SetupError(Exception):
     """Bad arguments or files: printed as one line, exit status 2."""
+
+
+def per_model_settings(config_path: str | None) -> tuple[ModelSettings, ...]:
+    """The configuration's `per_model`: models with a policy or a bound of their own."""
+    return () if config_path is None else read_config(config_path).per_model
 
 
 def policy_settings(name: str, config_path: str | None, seed: int) -> tuple[PolicySettings, RoutingSettings]:
@@ -144,6 +150,7 @@ def run_offline(
     ideal: Mapping[int, float] | None = None,
     flow: Settings | None = None,
     disaggregation: DisaggregationSettings | None = None,
+    per_model: Sequence[ModelSettings] = (),
 ) -> tuple[dict[str, Any], list[RequestRecord]]:
     """Simulate, summarize, and write the results when `out_dir` is given. `ideal` is each
     request's TTFT on the ideal fleet (`ideal_for`), computed once for several runs; `flow`
@@ -159,7 +166,7 @@ def run_offline(
             print(f"\r  {policy.name}: {done}/{total} requests simulated", end="", file=sys.stderr, flush=True)
 
     result = simulate(fleet, workload.requests, policy, routing, show if progress else None, precise=precise,
-                      limits=HARNESS_LIMITS, flow=flow, disaggregation=disaggregation)
+                      limits=HARNESS_LIMITS, flow=flow, disaggregation=disaggregation, per_model=per_model)
     if progress:
         print(file=sys.stderr)
     cpu_s = time.process_time() - started
@@ -218,8 +225,8 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("simulate", help=HELP, description=HELP)
     parser.add_argument("--workload", required=True, help="workload spec (see loadtest/client/workloads.py)")
     parser.add_argument("--policy", default="predictive")
-    parser.add_argument("--policy-config", help="kvlb config whose policy params and routing section apply, "
-                        "and its flow_control (with auth.tenants and limits) when enabled")
+    parser.add_argument("--policy-config", help="kvlb config whose policy params, routing section and per_model "
+                        "entries apply, and its flow_control (with auth.tenants and limits) when enabled")
     parser.add_argument("--seed", type=int, default=0, help="the policy's random seed")
     parser.add_argument("--out", required=True, help="directory for requests.jsonl and summary.json")
     parser.add_argument("--precise", action="store_true", help=PRECISE_HELP)
@@ -255,6 +262,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     if ideal and over and over["mean"] is not None and over["p99"] is not None:
         print(f"  ideal fleet (idle, holding every earlier prompt): TTFT p50 {ms(ideal['p50'])} "
               f"p99 {ms(ideal['p99'])}; this run's mean is {over['mean']:.1f}x its mean, p99 {over['p99']:.1f}x")
+    for line in model_lines(summary):
+        print(line)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -264,6 +273,7 @@ def main(args: argparse.Namespace) -> int:
         policy, routing = policy_settings(args.policy, args.policy_config, args.seed)
         flow = flow_settings(args.policy_config)
         disaggregation = disaggregation_settings(args.policy_config)
+        per_model = per_model_settings(args.policy_config)
         if args.policy_config is None:
             from policies.registry import make_policy
 
@@ -275,7 +285,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     summary, _ = run_offline(
         workload, fleet, policy, routing, Path(args.out), progress=not args.no_progress, precise=args.precise,
-        flow=flow, disaggregation=disaggregation,
+        flow=flow, disaggregation=disaggregation, per_model=per_model,
     )
     print_summary(summary)
     sim = summary["simulation"]

@@ -19,6 +19,8 @@ Either N identical replicas (`--replicas N --profile P`) or a YAML file of group
         lora_load_ms: 500            # model ms to load an adapter into a slot; default 100
         role: prefill                # prefill | decode | both (default): disaggregated serving
         host: rack1-node3            # a label: a prefill/decode pair on one host transfers fastest
+        model: llama-3.1-8b          # the model it serves (default sim-model); several models
+                                     # share one endpoint, each request going to its model's
       - count: 80
         region: eu-west
         tier: overflow
@@ -41,7 +43,7 @@ from loadtest.replica.profiles import DEFAULT_PROFILE, PROFILES, Profile
 GROUP_KEYS = {
     "count", "profile", "region", "zone", "tier", "kv_capacity_tokens", "max_running",
     "max_batched_tokens", "context_limit", "weight", "max_concurrency", "max_loras", "lora_load_ms",
-    "role", "host",
+    "role", "host", "model",
 }  # fmt: skip
 ROLES = ("both", "prefill", "decode")
 TOP_KEYS = {"region", "round_trip_ms", "groups", "profile"}
@@ -68,6 +70,7 @@ class ReplicaPlan:
     max_loras: int = 0
     lora_load_ms: float = 100.0
     role: str = "both"  # which half of a disaggregated request it serves
+    model: str | None = None  # the model it serves; None: the simulator's one model
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +171,9 @@ def parse_fleet(data: Any, source: str = "fleet") -> FleetPlan:
         weight = group.get("weight", 1.0)
         if not isinstance(weight, int | float) or isinstance(weight, bool) or weight <= 0:
             raise FleetError(f"{where}.weight: must be a number > 0")
+        model = group.get("model")
+        if model is not None and (not isinstance(model, str) or not model):
+            raise FleetError(f"{where}.model: must be a non-empty string")
         role = group.get("role", "both")
         if role not in ROLES:
             raise FleetError(f"{where}.role: must be one of {', '.join(ROLES)}, got {role!r}")
@@ -192,9 +198,11 @@ def parse_fleet(data: Any, source: str = "fleet") -> FleetPlan:
                 max_loras=_int(group.get("max_loras", 0), f"{where}.max_loras", 0),
                 lora_load_ms=_load_ms(group.get("lora_load_ms", 100.0), f"{where}.lora_load_ms"),
                 role=role,
+                model=model,
             ))
         where_text = "/".join(labels[k] for k in ("region", "tier") if k in labels)
-        parts.append(f"{count} x {profile.name}" + ("" if role == "both" else f" {role}") + (f" ({where_text}, +{rtt_ms:g} ms)" if rtt_ms else f" ({where_text})" if where_text else ""))
+        parts.append(f"{count} x {profile.name}" + ("" if model is None else f" serving {model}")
+                     + ("" if role == "both" else f" {role}") + (f" ({where_text}, +{rtt_ms:g} ms)" if rtt_ms else f" ({where_text})" if where_text else ""))
     return FleetPlan(tuple(plans), region, "; ".join(parts))
 
 

@@ -53,16 +53,22 @@ def ideal_ttfts(requests: Iterable[WorkRequest], profile: Profile, model: str, *
 
 
 def fleet_ideal_ttfts(requests: Sequence[WorkRequest], fleet: FleetPlan, model: str) -> dict[int, float]:
-    """The ideal on the fastest profile in `fleet`, so it bounds every replica of it."""
+    """The ideal on the fastest profile among the replicas serving each request's model (a
+    request or replica that names none: `model`), so it bounds every replica that could serve
+    it. Each model's requests are an ideal replica's of their own: models share no cache."""
+    by_model: dict[str, list[WorkRequest]] = {}
+    for request in requests:
+        by_model.setdefault(request.model or model, []).append(request)
     best: dict[int, float] = {}
-    seen: set[str] = set()
-    for plan in fleet.replicas:
-        if plan.profile.name in seen:
-            continue
-        seen.add(plan.profile.name)
-        found = ideal_ttfts(requests, plan.profile, model, max_batched_tokens=plan.max_batched_tokens,
-                            context_limit=plan.context_limit)
-        for index, ttft in found.items():
-            if index not in best or ttft < best[index]:
-                best[index] = ttft
+    for name, theirs in by_model.items():
+        seen: set[str] = set()
+        for plan in fleet.replicas:
+            if (plan.model or model) != name or plan.profile.name in seen:
+                continue
+            seen.add(plan.profile.name)
+            found = ideal_ttfts(theirs, plan.profile, model, max_batched_tokens=plan.max_batched_tokens,
+                                context_limit=plan.context_limit)
+            for index, ttft in found.items():
+                if index not in best or ttft < best[index]:
+                    best[index] = ttft
     return best

@@ -45,6 +45,7 @@ from balancer.config import (
     DisaggregationSettings,
     KvEventsSettings,
     Limits,
+    ModelSettings,
     PolicySettings,
     ReplicaSettings,
     RoutingSettings,
@@ -52,7 +53,7 @@ from balancer.config import (
 )
 from balancer.errors import ClientError
 from balancer.routing.admission import AdmissionQueue
-from balancer.routing.build import flow_controller
+from balancer.routing.build import flow_controller, per_model_routing
 from balancer.routing.core import PREFILLING, CoreSettings, Journey, RoutingCore
 from balancer.routing.disaggregation import has_roles, link_gbps, plan_split, transfer_ms
 from balancer.routing.fleet import FULL, Fleet, Replica
@@ -194,18 +195,22 @@ class Simulator:
         limits: Limits | None = None,
         flow: Settings | None = None,
         disaggregation: DisaggregationSettings | None = None,
+        per_model: Sequence[ModelSettings] = (),
     ) -> None:
         """`flow`: settings whose `flow_control` (with `auth.tenants` and `limits`) runs, as
         `kvlb serve` runs it; its limits then replace `limits`. `disaggregation`: how a fleet
-        with prefill and decode roles splits requests, as `kvlb serve`'s section of that name."""
+        with prefill and decode roles splits requests, as `kvlb serve`'s section of that name.
+        `per_model`: models with a policy or a bound of their own, as `kvlb serve`'s."""
         self.disaggregation = disaggregation or DisaggregationSettings()
         self.decode_runs_enabled = decode_runs
         self.now = 0.0
         self.routing = routing or RoutingSettings()
         self.policy: Policy = make_policy(policy.name, policy.params, policy.seed)
+        model_policies, model_limits = per_model_routing(per_model)
+        self.needs_prompt = self.policy.needs_prompt or any(p.needs_prompt for p in model_policies.values())
         settings = [
             ReplicaSettings(
-                url=f"http://sim.invalid/{plan.name}", name=plan.name, model=MODEL,
+                url=f"http://sim.invalid/{plan.name}", name=plan.name, model=plan.model or MODEL,
                 labels=dict(plan.labels), weight=plan.weight, max_concurrency=plan.max_concurrency,
                 # kvlb configured as its engine was started: the same slots and load time.
                 max_loras=max(plan.max_loras, 1), lora_load_ms=plan.lora_load_ms, role=plan.role,
@@ -226,14 +231,14 @@ class Simulator:
         self.tracker: CacheTracker | None = None
         # Precise mode's event intake; None when routing predicts (or needs no prompt).
         self.kv_events: KvEventIndex | None = None
-        if self.policy.needs_prompt and precise:
+        if self.needs_prompt and precise:
             if any(engine.block_size != self.block_size for engine in engines):
                 # The exact index hashes one block size; other replicas' events would be ignored.
                 raise ValueError("precise mode needs the same KV block size on every replica")
             kv_settings = KvEventsSettings(enabled=True, block_size=self.block_size)
             tracker = PreciseTracker(self.routing, kv_settings, lambda: self.now)
             self.tracker, self.kv_events = tracker, tracker.events
-        elif self.policy.needs_prompt:
+        elif self.needs_prompt:
             self.tracker = CacheTracker(self.routing, lambda: self.now)
         self.region = fleet.region or self.routing.region
         self.limits = flow.limits if flow is not None else limits or Limits()
@@ -244,6 +249,7 @@ class Simulator:
             fleet_, self.policy, self.tracker, self.admission,
             CoreSettings(max_attempts, self.region, self.routing.forget_unhealthy_after_s),
             call_at=self._call_at, flow=flow_controller(flow, fleet_) if flow is not None else None,
+            model_policies=model_policies, model_limits=model_limits,
         )
         self.flow = SimulatedFlow(self, QUEUE_TIMEOUT) if self.core.flow is not None else None
         # Without flow control, requests that found every replica at its max_concurrency wait
@@ -252,6 +258,8 @@ class Simulator:
         # Each request's body and its parse, made once (flow control prices a request before
         # it is routed), until its record is written.
         self._bodies: dict[int, tuple[dict[str, Any], bytes, RequestFeatures]] = {}
+        # The `per_model` entry each request in flight counts against, until its record.
+        self._counted: dict[int, str] = {}
         self.token_ids = TokenIds()
         self.nodes: dict[str, VirtualReplica] = {}
         for plan, replica, engine in zip(fleet.replicas, self.fleet.replicas, engines, strict=True):
@@ -280,6 +288,8 @@ class Simulator:
             # as engines do: in their model listing, with a parent.
             for replica in self._lora_replicas:
                 replica.discovered_adapters = adapters
+                replica.model_cards = tuple({"id": adapter, "object": "model", "parent": replica.declared_model}
+                                            for adapter in sorted(adapters))
             self.fleet.refresh_adapters()
         events = self._events
         handlers = {
@@ -327,7 +337,16 @@ class Simulator:
         callback(self.now)
 
     def _arrive(self, request: WorkRequest, _version: int) -> None:
-        """The balancer's admission line (or flow control) first, as in `kvlb serve`."""
+        """The balancer's admission line (or flow control) first, as in `kvlb serve`, after
+        its model's own bound where `per_model` gives one."""
+        if self.core.model_limits:
+            try:
+                counted = self.core.enter_model(self.prepared(request)[2].model)
+            except ClientError as exc:
+                self._record_error(request, exc.status, exc.message)
+                return
+            if counted is not None:
+                self._counted[request.index] = counted
         if self.flow is not None:
             self.flow.arrive(request)
             return
@@ -376,7 +395,7 @@ class Simulator:
         if prepared is None:
             payload = request.payload(MODEL, stream=True)
             body = orjson.dumps(payload)
-            features = parse_request(request.route, body, request.session, with_prompt=self.policy.needs_prompt)
+            features = parse_request(request.route, body, request.session, with_prompt=self.needs_prompt)
             prepared = self._bodies[request.index] = (payload, body, features)
         return prepared
 
@@ -591,9 +610,14 @@ class Simulator:
         self._stamp(record, request)
 
     def _stamp(self, record: RequestRecord, request: WorkRequest) -> None:
-        """Who the request was for, and what flow control made of it."""
+        """Who the request was for, and what flow control made of it. Its record is its
+        end: its place under its model's bound is free."""
+        counted = self._counted.pop(request.index, None)
+        if counted is not None:
+            self.core.leave_model(counted)
         self._bodies.pop(request.index, None)
         record.tenant, record.priority = request.tenant, request.priority
+        record.model = request.model
         if self.flow is not None:
             self.flow.stamp(record, request)
 
@@ -720,6 +744,7 @@ def simulate(
     limits: Limits | None = None,
     flow: Settings | None = None,
     disaggregation: DisaggregationSettings | None = None,
+    per_model: Sequence[ModelSettings] = (),
 ) -> SimulationResult:
     return Simulator(fleet, policy, routing, precise=precise, limits=limits, flow=flow,
-                     disaggregation=disaggregation).run(requests, progress)
+                     disaggregation=disaggregation, per_model=per_model).run(requests, progress)

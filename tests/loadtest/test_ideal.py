@@ -52,3 +52,19 @@ def test_summaries_and_reports_carry_the_ideal_and_each_runs_multiple_of_it() ->
     # A run that does not know its fleet (a live run against any endpoint) has no ideal.
     bare = Simulator(fleet, PolicySettings(name="random")).run(workload.requests)
     assert summarize(bare.records, bare.duration_s)["ideal_ttft_s"] is None
+
+
+def test_each_models_ideal_is_on_its_own_replicas_profile_and_cache() -> None:
+    from loadtest.simulator.fleetspec import parse_fleet
+
+    fleet = parse_fleet({"groups": [{"count": 1, "profile": "llama-3.1-70b-h100-tp4", "model": "big"},
+                                    {"count": 1, "model": "small"}]})
+    # The same prompts under each model: neither model's cache helps the other.
+    spec = "shared-prefix,groups=1,prompts_per_group=4,system_tokens=3000,question_tokens=50,rate=1,seed=5"
+    workload = load_workload(f"{spec},model=small;{spec},model=big")
+    ideal = ideal_for(workload, fleet)
+    first = {model: min((r for r in workload.requests if r.model == model), key=lambda r: r.arrival_s)
+             for model in ("small", "big")}
+    assert ideal[first["big"].index] > 2 * ideal[first["small"].index] > 0  # a 70B prefills slower
+    small = sorted(ideal[r.index] for r in workload.requests if r.model == "small")
+    assert small[-1] > 5 * small[0]  # its first prompt paid the system prompt, the others not

@@ -189,3 +189,30 @@ def test_the_balancers_admission_line_runs_offline():
     assert min(r.ttft_s for r in second) > max(r.e2e_s for r in first)
     unlimited, _ = run(burst, "least_load", replicas=2)
     assert all(r.status == 200 for r in unlimited.records)
+
+
+def test_two_models_behind_one_endpoint_each_on_its_own_fleet_and_policy():
+    from balancer.config import ModelSettings
+
+    fleet = parse_fleet({"groups": [
+        {"count": 2, "profile": "llama-3.1-70b-h100-tp4", "model": "big"},
+        {"count": 3, "model": "small"},
+    ]})
+    workload = load_workload("shared-prefix,model=small,groups=3,prompts_per_group=20,system_tokens=800,rate=8;"
+                             "shared-prefix,model=big,groups=2,prompts_per_group=30,system_tokens=800,rate=8")
+    per_model = (ModelSettings(model="big", policy=PolicySettings(name="round_robin"), max_in_flight=4),)
+    result = simulate(fleet, workload.requests, PolicySettings(name="predictive", seed=0), per_model=per_model)
+    summary = summarize(result.records, result.duration_s, replicas=result.replicas)
+    by_model = summary["by_model"]
+    assert set(by_model) == {"big", "small"} and by_model["small"]["errors"] == 0
+    served = {r.model: set() for r in result.records}
+    for r in result.records:
+        if r.ok:
+            served[r.model].add(r.replica)
+    assert served == {"big": {"replica-0", "replica-1"}, "small": {"replica-2", "replica-3", "replica-4"}}
+    # The big model's bound of 4 at once refuses some of its requests, never the small one's.
+    refused = [r for r in result.records if not r.ok]
+    assert refused and all(r.model == "big" and r.status == 429 for r in refused)
+    # Round robin: the big model's requests alternate between its two replicas.
+    big = [r.replica for r in sorted(result.records, key=lambda r: r.send_s) if r.model == "big" and r.ok]
+    assert all(a != b for a, b in zip(big, big[1:], strict=False))

@@ -347,3 +347,23 @@ def test_recorded_bodies_are_replayed_as_they_are(tmp_path):
         assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
         assert "stream_options" not in requests[1].payload("mine", stream=False)
         assert all(a.arrival_s <= b.arrival_s for a, b in zip(requests, requests[1:], strict=False))
+
+
+def test_specs_joined_by_semicolons_make_one_workload_of_several_models():
+    small = "multi-turn,model=small,sessions=4,turns=3,rate=2"
+    big = "long-prompt,model=big,requests=6,rate=1,min_prompt_tokens=100,max_prompt_tokens=200"
+    joined = load_workload(f"{small};{big}")
+    alone = [load_workload(small), load_workload(f"{big},seed=1")]
+    assert len(joined.requests) == sum(len(w.requests) for w in alone)
+    assert [r.index for r in joined.requests] == list(range(len(joined.requests)))
+    assert [r.arrival_s for r in joined.requests] == sorted(r.arrival_s for r in joined.requests)
+    # Each part keeps its own requests, times and model; the second part drew its own arrivals.
+    for part, model in zip(alone, ("small", "big"), strict=True):
+        mine = [r for r in joined.requests if r.model == model]
+        assert [(r.arrival_s, words(r)) for r in mine] == [(r.arrival_s, words(r)) for r in part.requests]
+        assert all(r.payload("default")["model"] == model for r in mine)
+    assert load_workload(small).requests[0].payload("default")["model"] == "small"
+    assert load_workload("multi-turn,sessions=1").requests[0].payload("default")["model"] == "default"
+    for bad in (f"{small};", f"{small};;{big}", "multi-turn,model="):
+        with pytest.raises(WorkloadError):
+            load_workload(bad)
