@@ -133,6 +133,13 @@ class RequestFeatures:
     adapter: str | None = None
 
 
+# The calibrated decode iteration (docs/calibration.md, llama-3.1-8b on an H100), in ms: the
+# fixed cost of a decode-only iteration, and what each sequence and each context token of
+# the batch add.
+DECODE_ITERATION_MS = 8.3
+DECODE_MS_PER_SEQ = 0.009
+DECODE_MS_PER_CONTEXT_TOKEN = 4.39e-5
+
 # The term in which a policy that predicts time puts its predicted time to first token (ms,
 # before any fitted speed): the routing core compares it with the observed time to fit each
 # replica's speed (balancer/routing/latency.py).
@@ -176,6 +183,12 @@ class Policy:
         the whole order matters, not just the head.
         """
         raise NotImplementedError
+
+    def decode_iteration(self) -> tuple[float, float, float]:
+        """What a decode iteration of this policy's model costs: fixed ms, ms per sequence
+        and ms per context token of the batch (llama-3.1-8b on an H100, docs/calibration.md,
+        unless the policy is told its model's), for a choice made outside `rank`."""
+        return DECODE_ITERATION_MS, DECODE_MS_PER_SEQ, DECODE_MS_PER_CONTEXT_TOKEN
 
     def relative_decode_speeds(self, replicas: Sequence[ReplicaView]) -> list[float] | None:
         """Each replica's fitted decode speed over the others' (1.0: as fast as most), for a

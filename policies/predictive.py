@@ -67,6 +67,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from policies.base import (
+    DECODE_ITERATION_MS,
+    DECODE_MS_PER_CONTEXT_TOKEN,
+    DECODE_MS_PER_SEQ,
     MODEL_ITL_TERM,
     MODEL_TTFT_TERM,
     TTFT_TERM,
@@ -83,13 +86,6 @@ from policies.costs import (
     rank_with_tiers,
     region_penalties,
 )
-
-# The calibrated decode iteration (docs/calibration.md, llama-3.1-8b on an H100), in ms:
-# the fixed cost of a decode-only iteration, and what each sequence and each context token
-# of the batch add. The defaults here, and the decode replica's price in disaggregation.
-DECODE_ITERATION_MS = 8.3
-DECODE_MS_PER_SEQ = 0.009
-DECODE_MS_PER_CONTEXT_TOKEN = 4.39e-5
 
 
 class PredictivePolicy(Policy):
@@ -264,6 +260,9 @@ class PredictivePolicy(Policy):
         if min(fits) >= low and max(fits) <= high:
             return None
         return [1.0 if low <= f <= high else f / median for f in fits]
+
+    def decode_iteration(self) -> tuple[float, float, float]:
+        return self.decode_iteration_ms, self.decode_ms_per_seq, self.decode_ms_per_context_token
 
     def relative_decode_speeds(self, replicas: Sequence[ReplicaView]) -> list[float] | None:
         if not self.use_fitted_speed or not replicas:

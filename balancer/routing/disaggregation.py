@@ -31,8 +31,15 @@ from balancer.config import DisaggregationSettings
 from balancer.errors import ClientError
 from balancer.routing.core import DEFAULT_OUTPUT_TOKENS, Journey, RoutingCore
 from balancer.routing.fleet import Replica
-from policies.base import MODEL_ITL_TERM, TTFT_TERM, Choice, RequestFeatures
-from policies.predictive import DECODE_ITERATION_MS, DECODE_MS_PER_CONTEXT_TOKEN, DECODE_MS_PER_SEQ
+from policies.base import (
+    DECODE_ITERATION_MS,
+    DECODE_MS_PER_CONTEXT_TOKEN,
+    DECODE_MS_PER_SEQ,
+    MODEL_ITL_TERM,
+    TTFT_TERM,
+    Choice,
+    RequestFeatures,
+)
 
 PREFILL, DECODE, BOTH = "prefill", "decode", "both"
 
@@ -101,18 +108,21 @@ def rank_decode(
     settings: DisaggregationSettings,
     jitter: Sequence[float],
     speeds: Sequence[float] | None = None,
+    iteration: tuple[float, float, float] = (DECODE_ITERATION_MS, DECODE_MS_PER_SEQ, DECODE_MS_PER_CONTEXT_TOKEN),
 ) -> list[Choice]:
     """The decode pool, cheapest first, each with the terms that put it there. `jitter`, one
     number in [0, 1) per replica, breaks ties between equal replicas at random; `speeds`, one
-    per replica, how many times slower than the others it decodes (None: all alike)."""
+    per replica, how many times slower than the others it decodes (None: all alike);
+    `iteration`, the model's decode iteration (`Policy.decode_iteration`)."""
+    fixed_ms, per_seq_ms, per_context_ms = iteration
     keyed = []
     for i, r in enumerate(decode):
         moved = transfer_ms(prompt_tokens, link_gbps(prefill, r, settings), settings)
         seqs, context = r.decoding, r.context_tokens
         # Its own tokens in that batch, and the slowdown it adds to every sequence beside it.
-        per_token = (DECODE_ITERATION_MS + DECODE_MS_PER_SEQ * (seqs + 1)
-                     + DECODE_MS_PER_CONTEXT_TOKEN * (context + prompt_tokens + output_tokens / 2)) / r.weight
-        added = seqs * (DECODE_MS_PER_SEQ + DECODE_MS_PER_CONTEXT_TOKEN * (prompt_tokens + output_tokens / 2))
+        per_token = (fixed_ms + per_seq_ms * (seqs + 1)
+                     + per_context_ms * (context + prompt_tokens + output_tokens / 2)) / r.weight
+        added = seqs * (per_seq_ms + per_context_ms * (prompt_tokens + output_tokens / 2))
         speed = speeds[i] if speeds is not None else 1.0
         decode_ms = output_tokens * (per_token + added / r.weight) * speed
         capacity = r.kv_capacity_tokens
@@ -171,7 +181,8 @@ def plan_split(
     rand = policy.rng.random
     best = journey.ranking[0]
     ranking = rank_decode(split.decode, best.replica, planned.prompt_tokens, output, settings,
-                          [rand() for _ in split.decode], policy.relative_decode_speeds(split.decode))
+                          [rand() for _ in split.decode], policy.relative_decode_speeds(split.decode),
+                          policy.decode_iteration())
     prefill_ms = best.terms.get(TTFT_TERM)
     if split.whole and prefill_ms is not None:
         # A saturated prefill pool: where a replica that serves alone would give the first

@@ -3,6 +3,8 @@ prefill replica; one replica instead when the prompt is mostly cached or a pool 
 
 from __future__ import annotations
 
+import pytest
+
 from balancer.config import DisaggregationSettings, ReplicaSettings
 from balancer.routing.disaggregation import (
     COLOCATED_CACHED,
@@ -110,3 +112,31 @@ def test_a_saturated_prefill_pool_sends_the_request_whole_where_vllm_allows() ->
     assert plan.journey.ranking[0].replica is decode
     # SGLang's decode servers cannot take a request alone: the pair stands.
     assert plan_split(core, "/v1/completions", features, prompt, fleet.replicas, SETTINGS).outcome == SPLIT
+
+
+def test_the_decode_replica_is_priced_with_its_models_own_decode_iteration() -> None:
+    from balancer.config import PolicySettings
+    from balancer.routing.disaggregation import SPLIT, plan_split
+    from policies.base import RequestFeatures
+    from policies.registry import make_policy
+
+    pair = [ReplicaSettings(url=f"http://127.0.0.1:9000/{n}", name=n, role=role, model=model)
+            for n, role, model in (("p8", "prefill", "small"), ("d8", "decode", "small"),
+                                   ("p70", "prefill", "big"), ("d70", "decode", "big"))]
+    core, fleet = _core([Replica(s) for s in pair])
+    # The 70B on four H100s (docs/calibration.md): its own decode iteration, as per_model gives it.
+    big = PolicySettings("predictive", {"decode_iteration_ms": 17.6, "decode_ms_per_seq": 0.0403,
+                                        "decode_ms_per_context_token": 2.79e-5}, 0)
+    core.model_policies["big"] = make_policy(big.name, big.params, big.seed)
+    prompt = "a long document to summarize " * 2000
+    itl = {}
+    for model in ("small", "big"):
+        features = RequestFeatures("/v1/completions", model=model, stream=True, max_tokens=100)
+        candidates = [r for r in fleet.replicas if r.serves(model)]
+        plan = plan_split(core, "/v1/completions", features, prompt, candidates, SETTINGS)
+        assert plan.outcome == SPLIT and plan.decode is not None
+        itl[model] = plan.decode.ranking[0].terms["model_itl_ms"]
+    # An idle decode replica: its fixed cost, one sequence, the prompt and half the answer.
+    tokens = plan.decode.features.prompt_tokens + 50
+    assert itl["small"] == pytest.approx(8.3 + 0.009 + 4.39e-5 * tokens)
+    assert itl["big"] == pytest.approx(17.6 + 0.0403 + 2.79e-5 * tokens)
