@@ -20,6 +20,7 @@ class AdapterSlotsView(Protocol):
 
     capacity: int  # adapters resident at once
     load_ms: float  # what loading one into a slot costs
+    loading_ms: float  # loads under way there, which stall every request on it meanwhile
 
     def holds(self, adapter: str) -> bool: ...
 

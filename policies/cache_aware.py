@@ -103,7 +103,9 @@ class CacheAwarePolicy(Policy):
         costs, in the prefill tokens of that time (at `prefill_tokens_per_ms`): the
         replica's `lora_load_ms`, and a load more times the chance that the adapter it
         would evict is asked for again with no other copy (balancer/routing/adapters.py).
-        0: blind to adapters.
+        Any request, on an adapter or not, also counts the loads under way on a replica
+        (the engine stalls while it loads) as that much prefill queued there.
+        0: blind to adapters and their loads.
     """
 
     name = "cache_aware"
@@ -165,6 +167,7 @@ class CacheAwarePolicy(Policy):
         tol_rel = self.tie_tolerance_ratio
         rand = self.rng.random
         adapter = request.adapter if self.adapter_weight > 0 else None
+        sees_loads = self.adapter_weight > 0  # blind to adapters is blind to their loads too
         # Adapter loads in prefill tokens of the same time.
         adapter_tokens_per_ms = self.adapter_weight * self.prefill_tokens_per_ms
 
@@ -185,6 +188,9 @@ class CacheAwarePolicy(Policy):
                 cached = 0
             uncached_tokens = prompt - cached
             queued_tokens = r.prefill_tokens_queued
+            if sees_loads:
+                # A LoRA adapter load under way stalls the engine: as much prefill as fits in it.
+                queued_tokens += r.adapter_slots.loading_ms * self.prefill_tokens_per_ms
             inv_w = 1.0 / r.weight
             uncached = uncached_tokens * prefill_w * inv_w
             queued = queued_tokens * queue_w * inv_w

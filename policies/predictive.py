@@ -10,14 +10,15 @@ its share without anyone re-deriving weights. For replica r (all in ms)::
 
     batch   = D·d1 + X·d2                    what r's decode batch adds to each iteration
     own     = e + d1 + d2·(p + n/2)          this request's own decode iteration, alone
-    model   = (q·b + P + (1.5 + (q + u)/chunk)·(a + batch)) / w
+    model   = (q·b + P + (1.5 + (q + u)/chunk)·(a + batch)) / w + L
     itl     = (own + batch) / w              its predicted time per output token there
     decode  = (1 − β)² · (decode_weight · n · (batch·s + own·(s − 1)) + prefill_stall_weight · P·v·D) / w
     fleet   = fleet_weight · β · (P·v + fleet_decode_weight · n·D·(d1 + d2·(p + n/2))·s) / w
     cost    = model·v + decode + fleet + locality
 
 with P = u·b + k·u·(c + u/2) the request's own prefill there, p the prompt's tokens, c those
-r holds cached, u = p − c, q the prefill queued on r, D the sequences r decodes and X their
+r holds cached, u = p − c, q the prefill queued on r, L the LoRA adapter loads under way
+there (each stalls the engine's iterations, so whoever comes next waits it out), D the sequences r decodes and X their
 context tokens, n the expected output (the learned mean output of answers like it, else
 `default_output_tokens`, either bounded by `max_tokens` and `max_output_tokens`), w r's
 weight, v its relative prefill speed (its fitted time-to-first-token multiplier over the
@@ -155,8 +156,9 @@ class PredictivePolicy(Policy):
         of the fleet's latest adapter requests, sure at 5 %, over the replicas holding it:
         balancer/routing/adapters.py), the stall the load puts on
         the replica's decoding sequences (weighed by `prefill_stall_weight`), and the
-        prefill of the prompt where it is not cached (weighed by `fleet_weight`).
-        0: blind to adapters.
+        prefill of the prompt where it is not cached (weighed by `fleet_weight`). Any
+        request, on an adapter or not, also waits out the loads under way on a replica (L
+        above). 0: blind to adapters and their loads.
 
     Locality, tiers and ties:
 
@@ -296,6 +298,7 @@ class PredictivePolicy(Policy):
         fitted = self.use_fitted_speed
         adapter = request.adapter if self.adapter_weight > 0 else None
         adapter_w = self.adapter_weight
+        sees_loads = adapter_w > 0  # blind to adapters is blind to their loads too
 
         fits = _trusted_fits([r.ttft_scale for r in replicas], [r.ttft_samples for r in replicas])
         scales = self._relative_speeds(fits, self._speed_band) if fitted and min(fits) != max(fits) else None
@@ -304,6 +307,8 @@ class PredictivePolicy(Policy):
         shortest = math.inf
         for j, r in enumerate(replicas):
             backlog = r.prefill_tokens_queued * b * (scales[j] if scales else 1.0) / r.weight
+            if sees_loads:
+                backlog += r.adapter_slots.loading_ms
             if backlog < shortest:
                 shortest = backlog
         busy = shortest / (shortest + self.busy_reference_ms) if shortest > 0 else 0.0
@@ -333,6 +338,8 @@ class PredictivePolicy(Policy):
             batch = decoding * d1 + r.context_tokens * d2
             own_prefill = uncached * b + k * uncached * (cached + uncached * 0.5)
             model_ttft = (queued * b + own_prefill + (1.5 + (queued + uncached) * inv_chunk) * (a + batch)) * inv_w
+            if sees_loads:
+                model_ttft += r.adapter_slots.loading_ms
             adapter_ms = evict_ms = 0.0
             if adapter is not None:
                 slots = r.adapter_slots

@@ -65,7 +65,7 @@ class AdapterDemand:
 
 
 class AdapterSlots:
-    __slots__ = ("capacity", "load_ms", "demand", "_resident", "_running", "loads")
+    __slots__ = ("capacity", "load_ms", "demand", "_resident", "_running", "loads", "loading_ms")
 
     def __init__(self, capacity: int, load_ms: float, demand: AdapterDemand | None = None) -> None:
         if capacity < 1:
@@ -76,6 +76,9 @@ class AdapterSlots:
         self._resident: OrderedDict[str, None] = OrderedDict()  # least recently used first
         self._running: dict[str, int] = {}
         self.loads = 0  # loads this model predicts the engine made, for the metrics
+        # The loads of this instance's requests that have not answered yet, in ms: the engine
+        # stalls its iterations for each, so every request there waits them out.
+        self.loading_ms = 0.0
 
     def holds(self, adapter: str) -> bool:
         return adapter in self._resident
@@ -110,11 +113,23 @@ class AdapterSlots:
         sure = min(1.0, demand.share(adapter) / SURE_SHARE)
         return sure / max(demand.holders(adapter), 1)
 
-    def started(self, adapter: str) -> None:
-        """A request on `adapter` was sent here."""
+    def started(self, adapter: str) -> float:
+        """A request on `adapter` was sent here. Returns the load it makes the engine do, in
+        ms (0: the adapter was resident); the routing core counts it in `loading_ms` until
+        that request answers."""
+        load = 0.0
         if self._use(adapter):
             self.loads += 1
+            load = self.load_ms
         self._running[adapter] = self._running.get(adapter, 0) + 1
+        return load
+
+    def load_began(self, load_ms: float) -> None:
+        self.loading_ms += load_ms
+
+    def load_over(self, load_ms: float) -> None:
+        """The request whose start made a load of `load_ms` has its first token, or failed."""
+        self.loading_ms = max(0.0, self.loading_ms - load_ms)
 
     def resize(self, capacity: int) -> None:
         """The engine reported how many adapters it holds at once (`max_loras`); with fewer

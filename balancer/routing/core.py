@@ -92,6 +92,8 @@ class Journey:
     # The attempt found its replica's prefill queue empty: its answer may confirm a change of
     # the replica's speed (latency.py).
     alone: bool = False
+    # The LoRA adapter load (ms) the attempt made its replica do, until it answers.
+    load_ms: float = 0.0
     max_attempts: int = 3
     _next: int = 0
 
@@ -318,7 +320,9 @@ class RoutingCore:
         context = journey.context = journey.features.prompt_tokens
         replica.context_tokens += context
         if journey.features.adapter is not None:
-            replica.adapter_slots.started(journey.features.adapter)
+            load = journey.load_ms = replica.adapter_slots.started(journey.features.adapter)
+            if load:
+                replica.adapter_slots.load_began(load)
         replica.in_flight += 1
         replica.prefill_tokens_queued += uncached
         # It holds a batch slot from now on: a non-streaming answer's first byte is its last,
@@ -335,6 +339,9 @@ class RoutingCore:
         if replica is None or journey.phase != PREFILLING:
             return None
         replica.prefill_tokens_queued -= journey.uncached
+        if journey.load_ms:
+            replica.adapter_slots.load_over(journey.load_ms)
+            journey.load_ms = 0.0
         journey.phase = DECODING
         journey.first_byte_at = now
         tracker = self.tracker
@@ -417,6 +424,9 @@ class RoutingCore:
         phase = journey.phase
         if phase == PREFILLING:
             replica.prefill_tokens_queued -= journey.uncached
+            if journey.load_ms:
+                replica.adapter_slots.load_over(journey.load_ms)
+                journey.load_ms = 0.0
         replica.decoding -= 1
         replica.in_flight -= 1
         replica.context_tokens -= journey.context

@@ -105,3 +105,41 @@ def test_sglangs_base_colon_adapter_names_the_same_adapter():
     # Cached and held under the adapter's name, whichever way the request spelled it.
     again = core.plan(ROUTE, RequestFeatures(ROUTE, model="sql"), PROMPT, fleet.replicas)
     assert again.ranking[0].terms["cached"] > 0 and again.ranking[0].terms["adapter_ms"] == 0
+
+
+def test_a_load_under_way_is_waited_out_by_whoever_comes_next_until_its_request_answers():
+    fleet = Fleet([ReplicaSettings(url=f"http://127.0.0.1:900{i}", name=f"r{i}", model="base", adapters=("sql", "chat"),
+                                   max_loras=1, lora_load_ms=500.0) for i in range(2)])
+    core = RoutingCore(fleet, make_policy("predictive", {}, 0), CacheTracker(RoutingSettings(), lambda: 0.0),
+                       AdmissionQueue(8, 8), CoreSettings(), call_at=lambda when, callback: None)
+    loading, idle = fleet.replicas
+
+    def predicted(model: str) -> dict[str, float]:
+        journey = core.plan(ROUTE, RequestFeatures(ROUTE, model=model), "a question of its own", fleet.replicas)
+        return {c.replica.name: c.terms["model_ttft_ms"] for c in journey.ranking}
+
+    before = predicted("base")
+    first = core.plan(ROUTE, RequestFeatures(ROUTE, model="sql"), PROMPT, [loading])
+    assert core.next_attempt(first, 0.0) is loading and loading.adapter_slots.loading_ms == 500.0
+    # A base-model request too: the engine's iterations stall while it loads.
+    during = predicted("base")
+    assert during["r0"] >= before["r0"] + 500.0 and during["r1"] == before["r1"]
+    assert core.plan(ROUTE, RequestFeatures(ROUTE, model="base"), "another", fleet.replicas).ranking[0].replica is idle
+    core.first_byte(first, 0.6)
+    assert loading.adapter_slots.loading_ms == 0.0
+    # A load whose request failed before answering is over too.
+    core.end_attempt(first, answered=True)
+    second = core.plan(ROUTE, RequestFeatures(ROUTE, model="sql"), PROMPT, [idle])
+    core.next_attempt(second, 1.0)
+    assert idle.adapter_slots.loading_ms == 500.0
+    core.end_attempt(second, answered=False)
+    assert idle.adapter_slots.loading_ms == 0.0
+    # Blind to adapters, blind to their loads.
+    blind = RoutingCore(fleet, make_policy("predictive", {"adapter_weight": 0}, 0),
+                        CacheTracker(RoutingSettings(), lambda: 0.0), AdmissionQueue(8, 8), CoreSettings(),
+                        call_at=lambda when, callback: None)
+    third = blind.plan(ROUTE, RequestFeatures(ROUTE, model="chat"), PROMPT, [loading])
+    blind.next_attempt(third, 2.0)
+    assert loading.adapter_slots.loading_ms == 500.0
+    looked = blind.plan(ROUTE, RequestFeatures(ROUTE, model="base"), "a question", [loading])
+    assert looked.ranking[0].terms["model_ttft_ms"] < 100
