@@ -68,7 +68,7 @@ async def compare_live(
     workload: Workload, policies: list[str], out_dir: Path, *, replicas: int, profile: str,
     time_scale: float, seed: int = 0, externals: dict[str, str] | None = None,
     policy_config: str | None = None, timeout_s: float = 300.0, progress: bool = True,
-    replica_args: list[str] | None = None,
+    replica_args: list[str] | None = None, replica_settings: dict[str, Any] | None = None,
 ) -> Results:
     from loadtest.client.runner import run_load
 
@@ -77,7 +77,8 @@ async def compare_live(
     ideal = ideal_for(workload, uniform_fleet(replicas, profile))
     runs: list[tuple[str, str | None]] = [(name, None) for name in policies]
     runs += list((externals or {}).items())
-    async with LiveFleet(replicas, profile, time_scale, replica_args=replica_args or ()) as fleet:
+    async with LiveFleet(replicas, profile, time_scale, replica_args=replica_args or (),
+                         replica_settings=replica_settings) as fleet:
         for name, command in runs:
             await fleet.start_replicas()
             if command is None:
@@ -233,11 +234,21 @@ def _run(args: argparse.Namespace, workload: Workload, policies: list[str], out_
             replica_args += ["--kv-capacity-tokens", str(args.kv_capacity_tokens)]
         if args.context_limit != 131072:
             replica_args += ["--context-limit", str(args.context_limit)]
+        replica_settings: dict[str, Any] = {}
+        if args.max_loras > 0:
+            # Replicas serving every adapter the workload names, with vLLM's flags; kvlb is told
+            # the load time, and reads the slots from the engines as it would in production.
+            adapters = sorted({r.adapter for r in workload.requests if r.adapter is not None})
+            replica_args += ["--enable-lora", "--max-loras", str(args.max_loras),
+                             "--lora-load-ms", f"{args.lora_load_ms:g}"]
+            if adapters:
+                replica_args += ["--lora-modules", *(f"{name}=/adapters/{name}" for name in adapters)]
+            replica_settings["lora_load_ms"] = args.lora_load_ms
         return asyncio.run(compare_live(
             workload, policies, out_dir, replicas=args.replicas, profile=args.profile,
             time_scale=args.time_scale, seed=args.seed, externals=dict(args.external),
             policy_config=args.policy_config, timeout_s=args.timeout_s, progress=progress,
-            replica_args=replica_args,
+            replica_args=replica_args, replica_settings=replica_settings,
         ))
     assert fleet is not None
     return compare_offline(

@@ -42,10 +42,12 @@ def kvlb_config(
     labels: Sequence[Mapping[str, str]] | None = None,
     routing: Mapping[str, Any] | None = None,
     max_concurrency: int | None = None,
+    replica_settings: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """`replica_settings`: more keys for every replica's entry (its `lora_load_ms`, say)."""
     replicas = []
     for i, url in enumerate(replica_urls):
-        replica: dict[str, Any] = {"url": url, "name": f"replica-{i}", "model": model}
+        replica: dict[str, Any] = {"url": url, "name": f"replica-{i}", "model": model, **(replica_settings or {})}
         if max_concurrency is not None:
             replica["max_concurrency"] = max_concurrency
         if labels is not None:
@@ -72,9 +74,11 @@ class LiveFleet:
         model: str = MODEL,
         replica_args: Sequence[str] = (),
         time_scales: Sequence[float] | None = None,
+        replica_settings: Mapping[str, Any] | None = None,
     ) -> None:
         """`time_scales`: one per replica, where they differ (a replica at a fifth of the
-        others' time scale runs five times slower than its profile claims)."""
+        others' time scale runs five times slower than its profile claims).
+        `replica_settings`: more keys for each replica's entry in kvlb's configuration."""
         if time_scales is not None and len(time_scales) != replicas:
             raise ValueError(f"{len(time_scales)} time scales for {replicas} replicas")
         self.count = replicas
@@ -83,6 +87,7 @@ class LiveFleet:
         self.time_scale = time_scale
         self.model = model
         self.replica_args = list(replica_args)
+        self.replica_settings = dict(replica_settings or {})
         self.ports: list[int] = []
         self._replicas: list[subprocess.Popen] = []
         self._routers: list[subprocess.Popen] = []
@@ -117,7 +122,7 @@ class LiveFleet:
         example flow_control, auth and limits), replacing those of the same name."""
         port = free_port()
         config = kvlb_config(port, self.replica_urls, policy, params, seed, self.model, routing=routing,
-                             max_concurrency=max_concurrency)
+                             max_concurrency=max_concurrency, replica_settings=self.replica_settings)
         if sync is not None:
             config["sync"] = dict(sync)
         config.update(extra or {})
