@@ -67,3 +67,20 @@ async def test_replicas_count_the_requests_they_finished():
                 async with http.post(fleet.replica_urls[0] + "/v1/completions", json=body) as resp:
                     assert resp.status == 200
         assert await fleet.replica_request_counts() == {"replica-0": 3}
+
+
+def test_live_comparison_of_adapters_loads_them_on_replicas_that_serve_them(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "balancer", "compare", "--live", "--workload",
+         "lora,adapters=6,system_tokens=300,question_tokens=20,output_tokens=4,requests=30,rate=20",
+         "--policies", "predictive", "--replicas", "2", "--max-loras", "2", "--lora-load-ms", "50",
+         "--time-scale", "10", "--out", str(out), "--no-progress"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = orjson.loads((out / "predictive" / "summary.json").read_bytes())
+    # Every adapter's request served (the replicas know them all), its own system prompt
+    # found in cache from its second request on.
+    assert summary["requests"] == 30 and summary["errors"] == 0
+    assert summary["cache_hit_ratio"] > 0.3
