@@ -65,7 +65,8 @@ class AdapterDemand:
 
 
 class AdapterSlots:
-    __slots__ = ("capacity", "load_ms", "demand", "_resident", "_running", "loads", "loading_ms")
+    __slots__ = ("capacity", "load_ms", "demand", "_resident", "_running", "loads", "loading_ms",
+                 "remote_loading_ms")
 
     def __init__(self, capacity: int, load_ms: float, demand: AdapterDemand | None = None) -> None:
         if capacity < 1:
@@ -76,9 +77,11 @@ class AdapterSlots:
         self._resident: OrderedDict[str, None] = OrderedDict()  # least recently used first
         self._running: dict[str, int] = {}
         self.loads = 0  # loads this model predicts the engine made, for the metrics
-        # The loads of this instance's requests that have not answered yet, in ms: the engine
-        # stalls its iterations for each, so every request there waits them out.
+        # The loads of requests that have not answered yet, in ms, this instance's and (from
+        # Redis sync) its peers': the engine stalls its iterations for each, so every request
+        # there waits them out.
         self.loading_ms = 0.0
+        self.remote_loading_ms = 0
 
     def holds(self, adapter: str) -> bool:
         return adapter in self._resident
@@ -129,7 +132,15 @@ class AdapterSlots:
 
     def load_over(self, load_ms: float) -> None:
         """The request whose start made a load of `load_ms` has its first token, or failed."""
-        self.loading_ms = max(0.0, self.loading_ms - load_ms)
+        self.loading_ms = max(float(self.remote_loading_ms), self.loading_ms - load_ms)
+
+    def set_remote_loading(self, loading_ms: int) -> None:
+        """Other instances' loads under way here, replacing their previous snapshot."""
+        self.loading_ms += loading_ms - self.remote_loading_ms
+        self.remote_loading_ms = loading_ms
+
+    def own_loading_ms(self) -> int:
+        return max(0, round(self.loading_ms - self.remote_loading_ms))
 
     def resize(self, capacity: int) -> None:
         """The engine reported how many adapters it holds at once (`max_loras`); with fewer

@@ -102,8 +102,10 @@ class Replica:
         return adapter in self.settings.adapters or adapter in self.discovered_adapters
 
     def set_remote_load(self, in_flight: int, prefill_tokens_queued: int, decoding: int,
-                        context_tokens: int = 0) -> None:
-        """Other instances' requests on this replica, replacing their previous snapshot."""
+                        context_tokens: int = 0, loading_ms: int = 0) -> None:
+        """Other instances' requests on this replica, replacing their previous snapshot;
+        `loading_ms`, the adapter loads theirs are waiting out there."""
+        self.adapter_slots.set_remote_loading(loading_ms)
         self.in_flight += in_flight - self.remote_in_flight
         self.prefill_tokens_queued += prefill_tokens_queued - self.remote_prefill_tokens_queued
         self.decoding += decoding - self.remote_decoding
@@ -113,13 +115,15 @@ class Replica:
         self.remote_decoding = decoding
         self.remote_context_tokens = context_tokens
 
-    def local_load(self) -> tuple[int, int, int, int]:
-        """This instance's own (in flight, queued prefill tokens, decoding, their context tokens)."""
+    def local_load(self) -> tuple[int, int, int, int, int]:
+        """This instance's own (in flight, queued prefill tokens, decoding, their context
+        tokens, the adapter loads they wait out in whole ms)."""
         return (
             self.in_flight - self.remote_in_flight,
             self.prefill_tokens_queued - self.remote_prefill_tokens_queued,
             self.decoding - self.remote_decoding,
             self.context_tokens - self.remote_context_tokens,
+            self.adapter_slots.own_loading_ms(),
         )
 
     def has_room(self) -> bool:

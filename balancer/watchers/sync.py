@@ -12,7 +12,8 @@ Three things travel, all in background tasks; a request never waits for Redis:
   turn finds its replica, and an adapter the replica that loaded it, whichever instance it
   reaches.
 - Load. Every `load_interval_s` each instance writes its own per-replica in-flight requests,
-  queued prefill tokens, decoding requests and their context tokens under `<prefix>:instance:<id>`, expiring after
+  queued prefill tokens, decoding requests, their context tokens and the LoRA adapter loads
+  they wait out (ms) under `<prefix>:instance:<id>`, expiring after
   `load_ttl_s`, and reads the others' keys; the same snapshot also rides on every stream
   entry, and an entry goes out when only the load changed, so peers see a request end within
   a batch interval. A replica's load is this instance's own plus the peers' newest
@@ -212,7 +213,7 @@ class StateSync:
             if self.flow_share is not None:
                 await self.flow_share.leave(self.redis)
         for replica in self.fleet.replicas:
-            replica.set_remote_load(0, 0, 0, 0)
+            replica.set_remote_load(0, 0, 0, 0, 0)
         for client in (self.redis, self.reader):
             with contextlib.suppress(RedisError, OSError, TimeoutError):
                 await client.aclose()
@@ -344,11 +345,11 @@ class StateSync:
 
     # -- load and membership ---------------------------------------------------------------
 
-    def _local_load(self) -> dict[str, tuple[int, int, int, int]]:
+    def _local_load(self) -> dict[str, tuple[int, int, int, int, int]]:
         return {replica.name: replica.local_load() for replica in self.fleet.replicas}
 
     @staticmethod
-    def _snapshot(load: dict[str, tuple[int, int, int, int]]) -> bytes:
+    def _snapshot(load: dict[str, tuple[int, int, int, int, int]]) -> bytes:
         return orjson.dumps({"t": time.time(), "l": load})
 
     def _keep_snapshot(self, peer: str, taken: float, load: dict[str, list[int]]) -> None:
@@ -397,15 +398,16 @@ class StateSync:
         totals: dict[str, list[int]] = {}
         for _, load in self._peer_loads.values():
             for name, counts in load.items():  # checked by _snapshot_of
-                total = totals.setdefault(name, [0, 0, 0, 0])
+                total = totals.setdefault(name, [0, 0, 0, 0, 0])
                 for i in range(3):
                     total[i] += counts[i]
-                if len(counts) > 3:  # an older peer sends no context tokens
-                    total[3] += counts[3]
+                # An older peer sends no context tokens, or no adapter loads.
+                for i in range(3, min(len(counts), 5)):
+                    total[i] += counts[i]
         if self._lent or self._credited:
             self._handed_into(totals)
         for replica in self.fleet.replicas:
-            replica.set_remote_load(*totals.get(replica.name, (0, 0, 0, 0)))
+            replica.set_remote_load(*totals.get(replica.name, (0, 0, 0, 0, 0)))
         self.stats.peers = len(self._peer_loads)
 
     def _handed_into(self, totals: dict[str, list[int]]) -> None:
@@ -415,9 +417,9 @@ class StateSync:
         self._lent = [lent for lent in self._lent if lent[3] > now]
         self._credited = [c for c in self._credited if c[3] > now]
         for _, name, _, _ in self._lent:
-            totals.setdefault(name, [0, 0, 0, 0])[0] += 1
+            totals.setdefault(name, [0, 0, 0, 0, 0])[0] += 1
         for _, name, _, _ in self._credited:
-            total = totals.setdefault(name, [0, 0, 0, 0])
+            total = totals.setdefault(name, [0, 0, 0, 0, 0])
             total[0] = max(total[0] - 1, 0)
 
     async def _exchange_load(self) -> None:
@@ -506,7 +508,8 @@ def _events_of(fields: dict[bytes, Any]) -> tuple[list[list[Any]], array, list[s
 
 def _snapshot_of(raw: Any) -> tuple[float, dict[str, list[int]]]:
     """A peer's load snapshot: (its wall time, {replica: [in flight, queued prefill tokens,
-    decoding, their context tokens]}); a version before the fourth sends three."""
+    decoding, their context tokens, the adapter loads they wait out in ms]}); versions before
+    the fourth and the fifth send three and four."""
     try:
         snapshot = orjson.loads(raw)
     except (ValueError, TypeError) as exc:
@@ -516,7 +519,7 @@ def _snapshot_of(raw: Any) -> tuple[float, dict[str, list[int]]]:
     if type(taken) not in (int, float) or not isinstance(load, dict):
         raise MalformedEntry("a load snapshot is not {t: time, l: {replica: counts}}")
     for counts in load.values():
-        # A later version may count more; the first four are these (three from an older one).
-        if not (isinstance(counts, list) and len(counts) >= 3 and all(type(c) is int for c in counts[:4])):
+        # A later version may count more; the first five are these (three or four from older ones).
+        if not (isinstance(counts, list) and len(counts) >= 3 and all(type(c) is int for c in counts[:5])):
             raise MalformedEntry(f"a replica's load is not [in flight, prefill tokens, decoding, context tokens]: {reprlib.repr(counts)}")
     return float(taken), load

@@ -287,3 +287,31 @@ async def test_the_adapters_a_peer_sent_to_a_replica_fill_its_slots_here(redis_s
             replica, route = await send(b.url, "sql", "a question of another kind altogether")
             chosen = dict(part.split("=", 1) for part in route.split(";")[0].split()[1:])
             assert replica == holder and float(chosen["adapter_ms"]) == 0, route
+
+
+async def test_an_adapter_load_a_peers_request_waits_out_is_waited_out_here_too(redis_server):
+    # Real time: the replica takes 1.5 s to load an adapter, and kvlb is told so.
+    args = ["--model", MODEL, "--enable-lora", "--lora-modules", "sql=/a/sql", "--max-loras", "1",
+            "--lora-load-ms", "1500", "--time-scale", "1"]
+    fast = redis_server.sync_settings(load_interval_s=0.05, load_ttl_s=0.5)
+    with contextlib.ExitStack() as processes:
+        url = processes.enter_context(ReplicaProcess(args)).url
+        config = make_settings([{"url": url, "name": "replica-0", "lora_load_ms": 1500}],
+                               policy={"name": "predictive", "seed": 0}, sync=fast, routing={"route_header": True})
+        async with run_balancer(config) as a, run_balancer(config) as b, aiohttp.ClientSession() as http:
+            await until(lambda: a.balancer.sync.stats.peers == 1 and b.balancer.sync.stats.peers == 1)
+            mine = b.balancer.fleet.replicas[0].adapter_slots
+            body = {"model": "sql", "prompt": "a question", "max_tokens": 2}
+            loading = asyncio.create_task(http.post(a.url + "/v1/completions", json=body))
+            try:
+                await until(lambda: mine.loading_ms == 1500)
+                base = {"model": MODEL, "prompt": "another question", "max_tokens": 1}
+                async with http.post(b.url + "/v1/completions", json=base) as resp:
+                    assert resp.status == 200
+                    chosen = dict(part.split("=", 1) for part in resp.headers["x-kvlb-route"].split()[1:])
+                assert float(chosen["model_ttft_ms"]) >= 1500
+                async with await loading as resp:
+                    assert resp.status == 200
+                await until(lambda: mine.loading_ms == 0, timeout_s=3)
+            finally:
+                loading.cancel()

@@ -64,6 +64,7 @@ def garbage(poison: list[int]) -> dict[str, dict[str, bytes | str]]:
         "load counts a map": {"e": "[]", "h": b"", "l": '{"t": 1e12, "l": {"replica-0": {"in_flight": 9}}}'},
         "load counts too few": {"e": "[]", "h": b"", "l": '{"t": 1e12, "l": {"replica-0": [9, 9]}}'},
         "load counts floats": {"e": "[]", "h": b"", "l": '{"t": 1e12, "l": {"replica-0": [9.5, 0, 0]}}'},
+        "adapter loads a float": {"e": "[]", "h": b"", "l": '{"t": 1e12, "l": {"replica-0": [0, 0, 0, 0, 0.5]}}'},
     }
 
 
