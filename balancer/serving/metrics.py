@@ -364,8 +364,35 @@ class Metrics(Collector):
             "profile), learned from streamed answers that reported their length",
             labels=["replica"],
         )
+        slots = GaugeMetricFamily(
+            "kvlb_replica_adapter_slots",
+            "LoRA adapters the replica holds at once (config's max_loras, else as the engine "
+            "reports it), for replicas that serve adapters",
+            labels=["replica"],
+        )
+        resident = GaugeMetricFamily(
+            "kvlb_replica_adapters_resident", "LoRA adapters in the replica's slots, by kvlb's account",
+            labels=["replica"],
+        )
+        loads = CounterMetricFamily(
+            "kvlb_replica_adapter_loads",
+            "LoRA adapter loads this instance's requests made the replica do, by kvlb's account of its slots",
+            labels=["replica"],
+        )
+        loading = GaugeMetricFamily(
+            "kvlb_replica_adapter_loading_ms",
+            "LoRA adapter loads under way on the replica for requests not yet answered (this "
+            "instance's and its peers'), ms: every request there waits them out",
+            labels=["replica"],
+        )
         now = asyncio.get_running_loop().time()
         for replica in self.fleet.replicas:
+            if replica.discovered_adapters or replica.settings.adapters:
+                account = replica.adapter_slots
+                slots.add_metric([replica.name], account.capacity)
+                resident.add_metric([replica.name], len(account.resident()))
+                loads.add_metric([replica.name], account.loads)
+                loading.add_metric([replica.name], account.loading_ms)
             scale.add_metric([replica.name], replica.ttft_scale)
             itl_scale.add_metric([replica.name], replica.itl_scale)
             in_flight.add_metric([replica.name], replica.in_flight)
@@ -380,3 +407,7 @@ class Metrics(Collector):
         yield queued
         yield scale
         yield itl_scale
+        yield slots
+        yield resident
+        yield loads
+        yield loading

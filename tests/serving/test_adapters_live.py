@@ -254,6 +254,13 @@ async def test_the_engine_says_how_many_adapters_it_holds_and_which_run() -> Non
 
                 # Two slots: sql is still there after chat.
                 assert [await load_priced(m) for m in ("sql", "chat", "sql")] == [500, 500, 0]
+                async with http.get(running.url + "/metrics") as resp:
+                    metrics = await resp.text()
+                for line in ('kvlb_replica_adapter_slots{replica="r0"} 2.0',
+                             'kvlb_replica_adapters_resident{replica="r0"} 2.0',
+                             'kvlb_replica_adapter_loads_total{replica="r0"} 2.0',
+                             'kvlb_replica_adapter_loading_ms{replica="r0"} 0.0'):
+                    assert line in metrics, line
 
                 # `sum` streams straight from the replica, where kvlb cannot see it...
                 async def direct() -> None:
