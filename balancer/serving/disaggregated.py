@@ -47,6 +47,8 @@ class PairForwarder:
         protocol = proxy.settings.disaggregation.protocol
         data = pd_protocol.parse_object(request.body)
         pd_protocol.refuse_reserved(data, protocol)
+        if protocol == "sglang":
+            pd_protocol.batch_size(data)  # refused before any replica is tried
         failures: list[str] = []
         outcome.attempts = decode.attempts
         while True:
@@ -84,7 +86,7 @@ class PairForwarder:
             port = p.settings.bootstrap_port
             if port is None:
                 raise _PairFailed("prefill", p, "no_bootstrap_port")
-            body = pd_protocol.sglang_body(request.body, p.url, port, pd_protocol.new_room())
+            body = pd_protocol.sglang_body(request.body, p.url, port, pd_protocol.rooms_for(data))
             prefill_leg = asyncio.ensure_future(self._prefill_leg(request, headers, body, prefill, p))
             try:
                 return await self._decode_leg(request, headers, body, prefill, decode, d, request_id, outcome,

@@ -27,6 +27,8 @@ import orjson
 from balancer.errors import ClientError
 
 SGLANG_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+# Rooms one disaggregated request may ask for (a batch, or `n` choices).
+MAX_BATCH_ROOMS = 1024
 VLLM_FIELD = "kv_transfer_params"
 _WHITESPACE = b" \t\r\n"
 
@@ -70,8 +72,41 @@ def new_room() -> int:
     return secrets.randbits(63)
 
 
-def sglang_body(body: bytes, prefill_url: str, bootstrap_port: int, room: int) -> bytes:
+def batch_size(data: dict[str, Any]) -> int | None:
+    """How many sequences one request asks the engine for, as SGLang's router counts them
+    to give each its own room: `n` above 1, or a list of prompts (`text` on /generate,
+    `prompt` of strings or of token lists, `input_ids` of token lists). None: one. Refused
+    beyond MAX_BATCH_ROOMS, since each room is a field kvlb writes."""
+    size = None
+    n = data.get("n")
+    if type(n) is int and n > 1:
+        size = n
+    else:
+        for key in ("text", "prompt", "input_ids"):
+            value = data.get(key)
+            if isinstance(value, list) and value and (key == "text" or not isinstance(value[0], int)):
+                size = len(value)
+                break
+    if size is not None and size > MAX_BATCH_ROOMS:
+        raise ClientError(400, f"a disaggregated request asks for at most {MAX_BATCH_ROOMS} sequences, "
+                               f"this one for {size}", "batch_too_large")
+    return size
+
+
+def rooms_for(data: dict[str, Any]) -> int | list[int]:
+    """A fresh room, or one per sequence of a batch."""
+    size = batch_size(data)
+    return new_room() if size is None else [new_room() for _ in range(size)]
+
+
+def sglang_body(body: bytes, prefill_url: str, bootstrap_port: int, room: int | list[int]) -> bytes:
+    """With a list of rooms (a batch), the host and port are lists of as many, as SGLang's
+    router sends them: every version of SGLang reads those, where a single room for a batch
+    is numbered on differently from one version to the next."""
     host = urlsplit(prefill_url).hostname or "127.0.0.1"
+    if isinstance(room, list):
+        return with_fields_first(body, {"bootstrap_host": [host] * len(room),
+                                        "bootstrap_port": [bootstrap_port] * len(room), "bootstrap_room": room})
     return with_fields_first(body, {"bootstrap_host": host, "bootstrap_port": bootstrap_port,
                                     "bootstrap_room": room})
 

@@ -150,5 +150,10 @@ async def test_a_client_setting_the_balancers_fields_gets_a_clear_400_and_others
             async with http.post(running.url + "/v1/completions", data=b"[1, 2]",
                                  headers={"content-type": "application/json"}) as resp:
                 assert resp.status == 400 and "error" in await resp.json()
+            # A room per sequence is a field kvlb writes: a request for a million is refused.
+            many = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "n": 1_000_000}
+            async with http.post(running.url + "/v1/completions", json=many) as resp:
+                error = (await resp.json())["error"]
+                assert resp.status == 400 and error["code"] == "batch_too_large", error
             status, _, body = await ask(http, running.url, "/v1/completions", True)
             assert status == 200 and body["usage"]["completion_tokens"] == 8

@@ -50,3 +50,23 @@ def test_a_client_that_sets_a_field_of_the_balancers_is_refused(protocol: str, f
     assert refused.value.status == 400 and refused.value.code == "reserved_field"
     with pytest.raises(ClientError):
         pd_protocol.parse_object(b"[1, 2]")
+
+
+def test_a_batch_gets_a_room_host_and_port_per_sequence_as_sglangs_router_sends_them() -> None:
+    body = b'{"text": ["a", "b", "c"], "sampling_params": {"max_new_tokens": 4}}'
+    data = pd_protocol.parse_object(body)
+    rooms = pd_protocol.rooms_for(data)
+    assert isinstance(rooms, list) and len(set(rooms)) == 3
+    out = orjson.loads(pd_protocol.sglang_body(body, "http://10.0.0.7:30000", 8998, rooms))
+    assert out["bootstrap_host"] == ["10.0.0.7"] * 3 and out["bootstrap_port"] == [8998] * 3
+    assert out["bootstrap_room"] == rooms and out["text"] == ["a", "b", "c"]
+    # What counts as a batch: n choices, prompts of strings or of token lists, input_ids lists.
+    size = pd_protocol.batch_size
+    assert size({"n": 2, "messages": []}) == 2 and size({"n": 1, "prompt": "x"}) is None
+    assert size({"prompt": ["x", "y"]}) == 2 and size({"prompt": [[1, 2], [3]]}) == 2
+    assert size({"prompt": [1, 2, 3]}) is None  # one prompt of token ids
+    assert size({"input_ids": [[1], [2], [3], [4]]}) == 4 and size({"input_ids": [1, 2]}) is None
+    assert size({"text": "one"}) is None and isinstance(pd_protocol.rooms_for({"text": "one"}), int)
+    with pytest.raises(ClientError) as info:
+        size({"n": pd_protocol.MAX_BATCH_ROOMS + 1})
+    assert info.value.status == 400 and info.value.code == "batch_too_large"
