@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -77,8 +78,11 @@ def test_serve_without_replicas_or_with_a_bad_config_explains(tmp_path: Path) ->
 def test_demo_runs_and_cleans_up() -> None:
     run = subprocess.run([sys.executable, "-m", "loadtest.demo"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    for i in range(4):
-        assert f"replica-{i}" in run.stdout
+    # Its 16 requests are four prompts, each kept where it is cached: which replicas the
+    # four land on follows the live timing, so at least two, not always all four.
+    served = next(line for line in run.stdout.splitlines() if line.startswith("requests per replica:"))
+    counts = [int(n) for n in re.findall(r"replica-\d=(\d+)", served)]
+    assert len(counts) >= 2 and sum(counts) == 16, served
     assert "chat, streamed" in run.stdout and "completion, streamed" in run.stdout
     assert "stopped every process" in run.stdout
 
