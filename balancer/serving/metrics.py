@@ -11,6 +11,7 @@ import asyncio
 from bisect import bisect_left
 from collections import Counter, defaultdict
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -48,6 +49,19 @@ DECISION_BUCKETS = (
 # that share nothing, each entry its own node, cost ~360 bytes of RSS an entry over two
 # million (`python -m loadtest.bench.memory`). The estimate takes the worst case.
 INDEX_BYTES_PER_ENTRY = 360
+
+# Per replica that serves LoRA adapters, by kvlb's account of its slots (balancer/routing/
+# adapters.py): slots, resident adapters, loads made, loads under way.
+ADAPTER_REPLICA_METRICS: tuple[tuple[Any, str, str], ...] = (
+    (GaugeMetricFamily, "kvlb_replica_adapter_slots",
+     "LoRA adapters the replica holds at once (config's max_loras, else as the engine reports it)"),
+    (GaugeMetricFamily, "kvlb_replica_adapters_resident", "LoRA adapters in the replica's slots, by kvlb's account"),
+    (CounterMetricFamily, "kvlb_replica_adapter_loads",
+     "LoRA adapter loads this instance's requests made the replica do, by kvlb's account of its slots"),
+    (GaugeMetricFamily, "kvlb_replica_adapter_loading_ms",
+     "LoRA adapter loads under way on the replica for requests not yet answered (this instance's "
+     "and its peers'), ms: every request there waits them out"),
+)
 
 
 class _Histogram:
@@ -364,35 +378,14 @@ class Metrics(Collector):
             "profile), learned from streamed answers that reported their length",
             labels=["replica"],
         )
-        slots = GaugeMetricFamily(
-            "kvlb_replica_adapter_slots",
-            "LoRA adapters the replica holds at once (config's max_loras, else as the engine "
-            "reports it), for replicas that serve adapters",
-            labels=["replica"],
-        )
-        resident = GaugeMetricFamily(
-            "kvlb_replica_adapters_resident", "LoRA adapters in the replica's slots, by kvlb's account",
-            labels=["replica"],
-        )
-        loads = CounterMetricFamily(
-            "kvlb_replica_adapter_loads",
-            "LoRA adapter loads this instance's requests made the replica do, by kvlb's account of its slots",
-            labels=["replica"],
-        )
-        loading = GaugeMetricFamily(
-            "kvlb_replica_adapter_loading_ms",
-            "LoRA adapter loads under way on the replica for requests not yet answered (this "
-            "instance's and its peers'), ms: every request there waits them out",
-            labels=["replica"],
-        )
+        adapters = [family(name, text, labels=["replica"]) for family, name, text in ADAPTER_REPLICA_METRICS]
         now = asyncio.get_running_loop().time()
         for replica in self.fleet.replicas:
             if replica.discovered_adapters or replica.settings.adapters:
                 account = replica.adapter_slots
-                slots.add_metric([replica.name], account.capacity)
-                resident.add_metric([replica.name], len(account.resident()))
-                loads.add_metric([replica.name], account.loads)
-                loading.add_metric([replica.name], account.loading_ms)
+                values = (account.capacity, len(account.resident()), account.loads, account.loading_ms)
+                for family, value in zip(adapters, values, strict=True):
+                    family.add_metric([replica.name], value)
             scale.add_metric([replica.name], replica.ttft_scale)
             itl_scale.add_metric([replica.name], replica.itl_scale)
             in_flight.add_metric([replica.name], replica.in_flight)
@@ -407,7 +400,4 @@ class Metrics(Collector):
         yield queued
         yield scale
         yield itl_scale
-        yield slots
-        yield resident
-        yield loads
-        yield loading
+        yield from adapters
