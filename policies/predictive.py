@@ -18,9 +18,10 @@ its share without anyone re-deriving weights. For replica r (all in ms)::
 
 with P = u·b + k·u·(c + u/2) the request's own prefill there, p the prompt's tokens, c those
 r holds cached, u = p − c, q the prefill queued on r, L the LoRA adapter loads under way
-there (each stalls the engine's iterations, so whoever comes next waits it out), D the sequences r decodes and X their
-context tokens, n the expected output (the learned mean output of answers like it, else
-`default_output_tokens`, either bounded by `max_tokens` and `max_output_tokens`), w r's
+there (each stalls the engine's iterations, so whoever comes next waits it out), D the
+sequences r decodes and X their context tokens, n the expected output (the learned mean
+output of answers like it, else `default_output_tokens`, either bounded by `max_tokens` and
+`max_output_tokens`), w r's
 weight, v its relative prefill speed (its fitted time-to-first-token multiplier over the
 candidates' median) and s its relative decode speed (the same for its fitted
 time-per-output-token multiplier). Each is 1.0 while within `speed_tolerance` of the median:

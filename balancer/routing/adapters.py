@@ -159,17 +159,8 @@ class AdapterSlots:
         """The engine reported these adapters running now: they are in its slots, its most
         recently used (engines touch every running adapter at each step), whoever sent
         their requests (another balancer, a client going straight to it)."""
-        resident = self._resident
         for adapter in adapters:
-            if adapter in resident:
-                resident.move_to_end(adapter)
-                continue
-            victim = self.victim()
-            if victim is not None:
-                del resident[victim]
-                self.demand.evicted(victim)
-            resident[adapter] = None
-            self.demand.loaded(adapter)
+            self._resident_now(adapter)
 
     def touched(self, adapter: str) -> None:
         """Another kvlb instance sent a request on `adapter` here (balancer/watchers/sync.py):
@@ -178,11 +169,15 @@ class AdapterSlots:
         self._use(adapter)
 
     def _use(self, adapter: str) -> bool:
+        """A request on `adapter`: counted in the demand, and the adapter resident now."""
+        self.demand.requested(adapter)
+        return self._resident_now(adapter)
+
+    def _resident_now(self, adapter: str) -> bool:
         """`adapter` becomes the most recently used, loaded in the engine's victim's place if
         it was not resident: True then."""
         resident = self._resident
         demand = self.demand
-        demand.requested(adapter)
         if adapter in resident:
             resident.move_to_end(adapter)
             return False

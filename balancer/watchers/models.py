@@ -60,12 +60,13 @@ class ModelWatcher:
         serves_adapters = bool(replica.discovered_adapters or replica.settings.adapters)
         # SGLang says how many adapters it batches at once only on /get_server_info.
         wants_slots = serves_adapters and replica.settings.max_loras is None and not replica.engine_max_loras
-        if wants_slots or (self.on_capacity is not None and replica.kv_capacity_tokens is None):
+        wants_capacity = self.on_capacity is not None and replica.kv_capacity_tokens is None
+        if wants_slots or wants_capacity:
             info = await self._get_json(replica, "/get_server_info")
             if isinstance(info, dict):
                 tokens = info.get("max_total_num_tokens", info.get("kv_capacity_tokens"))
-                if self.on_capacity is not None and replica.kv_capacity_tokens is None \
-                        and isinstance(tokens, int) and tokens > 0:
+                if wants_capacity and isinstance(tokens, int) and tokens > 0:
+                    assert self.on_capacity is not None
                     self.on_capacity(replica, tokens)
                 slots = info.get("max_loras_per_batch")
                 if wants_slots and type(slots) is int and slots > 0:
@@ -74,6 +75,7 @@ class ModelWatcher:
             await self._lora_requests_info(replica)
 
     def _engine_slots(self, replica: Replica, slots: int) -> None:
+        """What the engine reported holding at once; config's `max_loras`, where it names one, wins."""
         replica.engine_max_loras = slots
         if replica.settings.max_loras is None and slots != replica.adapter_slots.capacity:
             replica.adapter_slots.resize(slots)
@@ -85,7 +87,7 @@ class ModelWatcher:
         if labels is None:
             return
         slots = labels.get("max_lora", "")
-        if slots.isdigit() and int(slots) > 0 and replica.settings.max_loras is None:
+        if slots.isdigit() and int(slots) > 0:
             self._engine_slots(replica, int(slots))
         running = [name for name in labels.get("running_lora_adapters", "").split(",") if name]
         if running:

@@ -141,25 +141,24 @@ def summarize(
     }
     models = sorted({r.model for r in records if r.model is not None})
     if len(models) > 1:
-        summary["by_model"] = {model: _model_summary([r for r in records if r.model == model]) for model in models}
+        summary["by_model"] = {model: _model_summary([r for r in records if r.model == model], duration_s)
+                               for model in models}
     # The statistics keep their meaning whatever a caller passes along with them.
     for key, value in (meta or {}).items():
         summary.setdefault(key, value)
     return summary
 
 
-def _model_summary(records: Sequence[RequestRecord]) -> dict[str, Any]:
-    """One model's share of a run with several behind one endpoint."""
-    ok = [r for r in records if r.ok]
-    ttft = _present(r.ttft_s for r in ok)
-    e2e = _present(r.e2e_s for r in ok)
-    prompt = sum(r.prompt_tokens for r in ok)
+def _model_summary(records: Sequence[RequestRecord], duration_s: float) -> dict[str, Any]:
+    """One model's share of a run with several behind one endpoint: a few of the figures
+    `summarize` gives for its records alone."""
+    whole = summarize(records, duration_s)
     return {
-        "requests": len(records),
-        "errors": len(records) - len(ok),
-        "cache_hit_ratio": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
-        "ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
-        "e2e_s": {"p50": percentile(e2e, 50), "p99": percentile(e2e, 99)},
+        "requests": whole["requests"],
+        "errors": whole["errors"],
+        "cache_hit_ratio": whole["cache_hit_ratio"],
+        "ttft_s": {"p50": whole["ttft_s"]["p50"], "p99": whole["ttft_s"]["p99"]},
+        "e2e_s": whole["e2e_s"],
     }
 
 
