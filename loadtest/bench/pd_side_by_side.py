@@ -31,7 +31,7 @@ from loadtest.client.runner import run_load
 from loadtest.client.summary import summarize
 from loadtest.client.workloads import load_workload
 from loadtest.procs import free_port, start_process, stop_process, wait_for_http
-from loadtest.replica.launch import ReplicaProcess, random_port
+from loadtest.replica.launch import ReplicaProcess
 from loadtest.simulator.cli import HARNESS_LIMITS
 
 MODEL = "sim-model"
@@ -41,8 +41,7 @@ DEFAULT_WORKLOAD = "multi-turn,sessions=16,turns=4,system_tokens=3000,user_token
 
 def replicas(stack: ExitStack, prefill: int, decode: int, time_scale: float) -> tuple[list, list]:
     base = ["--model", MODEL, "--time-scale", str(time_scale)]
-    p = [stack.enter_context(ReplicaProcess(base + ["--disaggregation-mode", "prefill",
-                                                    "--disaggregation-bootstrap-port", str(random_port())]))
+    p = [stack.enter_context(ReplicaProcess(base + ["--disaggregation-mode", "prefill"], pick_bootstrap_port=True))
          for _ in range(prefill)]
     d = [stack.enter_context(ReplicaProcess(base + ["--disaggregation-mode", "decode"])) for _ in range(decode)]
     return p, d

@@ -2,7 +2,8 @@
 
 Ports come from below the kernel's ephemeral range (32768 and up), where outgoing connections
 take theirs, so a listener never collides with a client socket; a port already taken is
-retried with another.
+retried with another. A prefill replica's bootstrap port is drawn the same way when the caller
+asks for it (`pick_bootstrap_port`), so two replicas or tests never race for a fixed one.
 """
 
 from __future__ import annotations
@@ -33,20 +34,31 @@ def random_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def running_replica(config: ReplicaConfig | None = None) -> AsyncIterator[ReplicaServer]:
-    """A replica in this process's event loop, on a free port unless `config.port` is set."""
+async def running_replica(
+    config: ReplicaConfig | None = None, pick_bootstrap_port: bool = False
+) -> AsyncIterator[ReplicaServer]:
+    """A replica in this process's event loop, on a free port unless `config.port` is set.
+
+    With `pick_bootstrap_port`, its bootstrap port (a prefill replica's KV side channel) is a
+    free one below the ephemeral range too, drawn again whenever it is taken.
+    """
     config = config or ReplicaConfig()
     for attempt in range(PORT_ATTEMPTS):
         port = config.port or random_port()
-        server = ReplicaServer(dataclasses.replace(config, port=port))
+        drawn = dataclasses.replace(config, port=port)
+        if pick_bootstrap_port:
+            drawn = dataclasses.replace(drawn, disaggregation_bootstrap_port=random_port())
+        server = ReplicaServer(drawn)
         try:
             await server.start()
             break
         except OSError as error:
             await server.stop()
             # With the HTTP port bound, the taken one was another (the bootstrap port), which
-            # a new HTTP port does not free.
-            taken_here = error.errno == errno.EADDRINUSE and server.port is None
+            # a new HTTP port does not free unless the bootstrap port is drawn anew as well.
+            taken_here = error.errno == errno.EADDRINUSE and (
+                server.port is None or pick_bootstrap_port
+            )
             if not taken_here or config.port or attempt == PORT_ATTEMPTS - 1:
                 raise
     try:
@@ -58,8 +70,15 @@ async def running_replica(config: ReplicaConfig | None = None) -> AsyncIterator[
 class ReplicaProcess:
     """`python -m loadtest.replica` as a child process; use as a context manager."""
 
-    def __init__(self, args: Sequence[str] = (), startup_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        args: Sequence[str] = (),
+        startup_timeout_s: float = 30.0,
+        pick_bootstrap_port: bool = False,
+    ) -> None:
         self.args = list(args)
+        # Drawn per attempt, as the HTTP port is, rather than fixed in `args` by the caller.
+        self.pick_bootstrap_port = pick_bootstrap_port
         self.startup_timeout_s = startup_timeout_s
         self.process: subprocess.Popen[str] | None = None
         self.port: int | None = None
@@ -81,8 +100,11 @@ class ReplicaProcess:
             port = random_port()
             self._stderr.seek(0)
             self._stderr.truncate()
+            ports = ["--port", str(port)]
+            if self.pick_bootstrap_port:
+                ports += ["--disaggregation-bootstrap-port", str(random_port())]
             process = subprocess.Popen(
-                [sys.executable, "-m", "loadtest.replica", "--port", str(port), *self.args],
+                [sys.executable, "-m", "loadtest.replica", *ports, *self.args],
                 stdout=subprocess.PIPE,
                 stderr=self._stderr,
                 text=True,
@@ -95,8 +117,9 @@ class ReplicaProcess:
                 self.bootstrap_port = int(match.group(1)) if match else None
                 return self
             stderr = self._reap(process)
-            # Another HTTP port frees no taken bootstrap port.
-            if "address already in use" not in stderr.lower() or "bootstrap port" in stderr:
+            # Another HTTP port frees no taken bootstrap port, unless that is drawn anew too.
+            bootstrap_taken = "bootstrap port" in stderr and not self.pick_bootstrap_port
+            if "address already in use" not in stderr.lower() or bootstrap_taken:
                 raise RuntimeError(f"replica failed to start: {stderr.strip()[-2000:]}")
         raise RuntimeError("no free port found for the replica")
 

@@ -25,7 +25,7 @@ from loadtest.replica.cli import config_from_args, main
 from loadtest.replica.config import KvTransferConfig, ReplicaConfig
 from loadtest.replica.engine import Engine, EngineConfig
 from loadtest.replica.handoff import HandoffTable, TransferCounters
-from loadtest.replica.launch import ReplicaProcess, random_port, running_replica
+from loadtest.replica.launch import ReplicaProcess, running_replica
 from loadtest.replica.profiles import PROFILES, get_profile
 from loadtest.replica.server import ReplicaServer
 from tests.loadtest.test_replica_cli import parse
@@ -42,8 +42,6 @@ def words(prefix: str, count: int) -> str:
 
 def config(**fields: Any) -> ReplicaConfig:
     fields.setdefault("time_scale", SCALE)
-    # Below the ephemeral range, as every test port (port 0 would take one above it).
-    fields.setdefault("disaggregation_bootstrap_port", random_port())
     return ReplicaConfig(**fields)
 
 
@@ -51,7 +49,10 @@ def config(**fields: Any) -> ReplicaConfig:
 async def replicas(*configs: ReplicaConfig) -> AsyncIterator[list[ReplicaServer]]:
     """Replicas started in order, all stopped on exit, however the test ends."""
     async with contextlib.AsyncExitStack() as stack:
-        yield [await stack.enter_async_context(running_replica(c)) for c in configs]
+        # Bootstrap ports drawn below the ephemeral range, as every test port, and drawn
+        # again when taken (port 0 would take one above it).
+        started = [running_replica(c, pick_bootstrap_port=True) for c in configs]
+        yield [await stack.enter_async_context(r) for r in started]
 
 
 @pytest.fixture
@@ -246,9 +247,8 @@ def test_bad_disaggregation_settings_are_refused(capsys):
 
 
 def test_prefill_process_reports_its_bootstrap_port():
-    args = ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(random_port()),
-            "--time-scale", "50"]  # fmt: skip
-    with ReplicaProcess(args) as replica:
+    args = ["--disaggregation-mode", "prefill", "--time-scale", "50"]
+    with ReplicaProcess(args, pick_bootstrap_port=True) as replica:
         with urllib.request.urlopen(replica.url + "/get_server_info", timeout=5) as response:
             info = orjson.loads(response.read())
         assert info["disaggregation_mode"] == "prefill"

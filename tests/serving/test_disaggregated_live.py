@@ -14,7 +14,7 @@ import aiohttp
 import orjson
 import pytest
 
-from loadtest.replica.launch import ReplicaProcess, random_port
+from loadtest.replica.launch import ReplicaProcess
 from tests.conftest import make_settings, run_balancer
 
 MODEL = "m"
@@ -27,11 +27,15 @@ def replica_args(role: str, protocol: str, gbps: float = 400.0, time_scale: floa
             "--disaggregation-wait-s", "10"]
     if protocol == "sglang":
         args += ["--disaggregation-mode", role]
-        if role == "prefill":
-            args += ["--disaggregation-bootstrap-port", str(random_port())]
     else:
-        args += ["--kv-transfer-config", KV_BOTH, "--disaggregation-bootstrap-port", str(random_port())]
+        args += ["--kv-transfer-config", KV_BOTH]
     return args
+
+
+def replica(role: str, protocol: str, **fields: float) -> ReplicaProcess:
+    # Bootstrap ports drawn below the ephemeral range and drawn again when taken; a replica
+    # that serves no KV ignores its own.
+    return ReplicaProcess(replica_args(role, protocol, **fields), pick_bootstrap_port=True)
 
 
 def entries(prefill: list[ReplicaProcess], decode: list[ReplicaProcess]) -> list[dict]:
@@ -74,8 +78,8 @@ async def metric(http: aiohttp.ClientSession, url: str, outcome: str) -> float:
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
 async def test_every_request_completes_on_a_decode_replica_streamed_and_not(protocol: str) -> None:
     with ExitStack() as processes:
-        prefill = [processes.enter_context(ReplicaProcess(replica_args("prefill", protocol))) for _ in range(2)]
-        decode = [processes.enter_context(ReplicaProcess(replica_args("decode", protocol))) for _ in range(2)]
+        prefill = [processes.enter_context(replica("prefill", protocol)) for _ in range(2)]
+        decode = [processes.enter_context(replica("decode", protocol)) for _ in range(2)]
         settings = make_settings(entries(prefill, decode), policy={"name": "predictive", "seed": 0},
                                  routing={"route_header": True}, disaggregation={"protocol": protocol})
         async with AsyncExitStack() as stack:
@@ -108,8 +112,8 @@ async def test_a_decode_replica_killed_before_the_first_token_costs_no_request()
     # A slow link keeps every decode replica waiting for its KV for about half a second of
     # real time: long enough to kill one while its requests wait.
     with ExitStack() as processes:
-        prefill = [processes.enter_context(ReplicaProcess(replica_args("prefill", "sglang"))) for _ in range(2)]
-        decode = [processes.enter_context(ReplicaProcess(replica_args("decode", "sglang", gbps=0.05)))
+        prefill = [processes.enter_context(replica("prefill", "sglang")) for _ in range(2)]
+        decode = [processes.enter_context(replica("decode", "sglang", gbps=0.05))
                   for _ in range(2)]
         settings = make_settings(entries(prefill, decode), policy={"name": "predictive", "seed": 0},
                                  disaggregation={"protocol": "sglang"})
@@ -136,8 +140,8 @@ async def test_a_decode_replica_killed_before_the_first_token_costs_no_request()
 
 async def test_a_client_setting_the_balancers_fields_gets_a_clear_400_and_others_are_served() -> None:
     with ExitStack() as processes:
-        prefill = [processes.enter_context(ReplicaProcess(replica_args("prefill", "sglang")))]
-        decode = [processes.enter_context(ReplicaProcess(replica_args("decode", "sglang")))]
+        prefill = [processes.enter_context(replica("prefill", "sglang"))]
+        decode = [processes.enter_context(replica("decode", "sglang"))]
         settings = make_settings(entries(prefill, decode), disaggregation={"protocol": "sglang"})
         async with AsyncExitStack() as stack:
             running = await stack.enter_async_context(run_balancer(settings))
