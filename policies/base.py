@@ -132,6 +132,9 @@ class RequestFeatures:
     # The LoRA adapter it runs under (its `model` names one that replicas list as an
     # adapter), or None for a base model. Its prefix blocks are keyed by it.
     adapter: str | None = None
+    # Requests per second that lately met the same longest cached prefix as this one (the
+    # deepest block any replica holds of it): the traffic a copy of that prefix would serve.
+    prefix_rate: float = 0.0
 
 
 # The calibrated decode iteration (docs/calibration.md, llama-3.1-8b on an H100), in ms: the

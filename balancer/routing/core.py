@@ -286,6 +286,7 @@ class RoutingCore:
                 max_tokens=features.max_tokens,
                 expected_output_tokens=self.output_lengths.expect(features.model, route, routed.prompt_tokens),
                 adapter=adapter,
+                prefix_rate=routed.prefix_rate,
             )
         ranking = self.policy_for(features.model).rank(features, candidates)
         return Journey(features, ranking, routed, max_attempts=self.settings.max_attempts)

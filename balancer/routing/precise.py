@@ -46,6 +46,7 @@ class RemotePrompt(bytes):
 class PreciseTracker(CacheTracker):
     def __init__(self, routing: RoutingSettings, settings: KvEventsSettings, clock: Callable[[], float]) -> None:
         self.block_size = settings.block_size
+        self._count_demand(clock)
 
         def index(ttl_s: float) -> PrefixIndex:
             return PrefixIndex(tokens_per_block=settings.block_size, ttl_s=ttl_s,
@@ -76,7 +77,7 @@ class PreciseTracker(CacheTracker):
             blocks = min(blocks, longest)
             if blocks:
                 cached[name] = blocks * self.block_size
-        return Routed(hashes, tokens, cached, self.block_size, model, adapter=adapter)
+        return self._with_demand(Routed(hashes, tokens, cached, self.block_size, model, adapter=adapter))
 
     def _record_routed(self, routed: Routed, replica: Replica) -> None:
         self.pending.record(replica.name, routed.hashes)

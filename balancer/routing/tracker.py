@@ -21,6 +21,7 @@ from balancer.config import RoutingSettings
 from balancer.routing.fleet import Replica
 from balancer.routing.index import PrefixIndex
 from balancer.routing.prefix import BlockHashes, PrefixHasher
+from balancer.routing.prefix_demand import PrefixDemand
 from balancer.routing.token_ratio import TokenRatio
 
 # A learned ratio this close to a replica's current block weight leaves it alone: re-weighing
@@ -43,6 +44,11 @@ class Routed:
     # When the chosen replica last used the deepest block it was predicted to hold, before
     # this request refreshed it: what its LRU engine would have evicted first if it missed.
     predicted_last_use: float | None = None
+    # The deepest block any replica holds of the prompt, and how many requests per second
+    # lately met that same prefix (balancer/routing/prefix_demand.py); None and 0 on a miss.
+    demand_key: int | None = None
+    prefix_rate: float = 0.0
+    demand_counted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +67,7 @@ class CacheTracker:
     on_record: Callable[[str, Sequence[int], str | None], None] | None = None
 
     def __init__(self, settings: RoutingSettings, clock: Callable[[], float]) -> None:
+        self._count_demand(clock)
         self.hasher = PrefixHasher(settings.block_chars, settings.tokens_per_char)
         self.ratio = TokenRatio(settings.tokens_per_char, learn=settings.learn_tokens_per_char)
         self.index = PrefixIndex(
@@ -84,7 +91,19 @@ class CacheTracker:
             prompt_tokens = len(prompt)
             per_block = hasher.block_tokens
         cached = {name: int(blocks * per_block) for name, blocks in self.index.match(hashes).items()}
-        return Routed(hashes, prompt_tokens, cached, per_block, model, chars, adapter)
+        return self._with_demand(Routed(hashes, prompt_tokens, cached, per_block, model, chars, adapter))
+
+    def _count_demand(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.demand = PrefixDemand()
+
+    def _with_demand(self, routed: Routed) -> Routed:
+        if routed.cached:
+            deepest = int(max(routed.cached.values()) / routed.block_tokens)
+            if deepest > 0:
+                routed.demand_key = key = routed.hashes[deepest - 1]
+                routed.prefix_rate = self.demand.rate(key, self.clock())
+        return routed
 
     def uncached(self, routed: Routed, replica: Replica) -> int:
         """The prompt tokens `replica` must compute, by the prediction."""
@@ -92,6 +111,9 @@ class CacheTracker:
 
     def start(self, routed: Routed, replica: Replica) -> None:
         """The request is being sent to `replica`."""
+        if routed.demand_key is not None and not routed.demand_counted:
+            routed.demand_counted = True  # a retry is the same request
+            self.demand.observe(routed.demand_key, self.clock())
         self._record_routed(routed, replica)
         if self.on_record is not None:
             self.on_record(replica.name, routed.hashes, routed.adapter)

@@ -20,13 +20,14 @@ from policies.registry import POLICIES, make_policy
 from tests.fakes import FakeReplica
 
 TERMS = {"cached", "output_tokens", "model_itl_ms", "decode_speed", "ttft_ms", "model_ttft_ms", "decode_ms", "fleet_ms", "locality_ms", "busy", "speed",
-         "cost", "wait_ms", "tier", "adapter_ms", "evict_ms"}
+         "cost", "wait_ms", "tier", "adapter_ms", "evict_ms", "copy_credit_ms"}
 
 
 def request(prompt_tokens: int, cached: Mapping[str, int] | None = None, *, max_tokens: int | None = None,
-            origin_region: str | None = None) -> RequestFeatures:
+            origin_region: str | None = None, prefix_rate: float = 0.0) -> RequestFeatures:
     return RequestFeatures(route="/v1/chat/completions", model="m", prompt_tokens=prompt_tokens,
-                           cached_tokens=dict(cached or {}), max_tokens=max_tokens, origin_region=origin_region)
+                           cached_tokens=dict(cached or {}), max_tokens=max_tokens, origin_region=origin_region,
+                           prefix_rate=prefix_rate)
 
 
 def first(policy: PredictivePolicy, fleet: list[FakeReplica], req: RequestFeatures) -> str:
@@ -54,12 +55,15 @@ def test_bad_parameters_are_refused_by_name(params: dict) -> None:
 
 def test_every_replica_once_with_terms_that_add_up() -> None:
     fleet = [FakeReplica(f"r{i}", prefill_tokens_queued=1000 * i, decoding=i, context_tokens=4000 * i) for i in range(5)]
-    ranked = make_policy("predictive", seed=1).rank(request(4000, {"r2": 2000}), fleet)
+    ranked = make_policy("predictive", seed=1).rank(request(4000, {"r2": 2000}, prefix_rate=5.0), fleet)
     assert sorted(c.replica.name for c in ranked) == [f"r{i}" for i in range(5)]
     for choice in ranked:
         t = choice.terms
         assert set(t) == TERMS
-        assert t["cost"] == pytest.approx(t["model_ttft_ms"] * t["speed"] + t["decode_ms"] + t["fleet_ms"] + t["locality_ms"])
+        assert t["cost"] == pytest.approx(t["model_ttft_ms"] * t["speed"] + t["decode_ms"] + t["fleet_ms"]
+                                          + t["locality_ms"] - t["copy_credit_ms"])
+        # Only a replica holding less of the prompt than r2 would make a copy worth a credit.
+        assert (t["copy_credit_ms"] > 0) == (choice.replica.name != "r2")
         assert t["ttft_ms"] == pytest.approx(t["model_ttft_ms"] * choice.replica.ttft_scale)
 
 
@@ -105,6 +109,28 @@ def test_light_load_spreads_decode_instead_of_piling_onto_warm_replicas() -> Non
     assert first(make_policy("predictive", seed=4), fleet, request(8200, {"warm": 8000}, max_tokens=1)) == "warm"
     # And without the decode term the policy is the myopic time to first token.
     assert first(make_policy("predictive", {"decode_weight": 0}, seed=4), fleet, req) == "warm"
+
+
+def test_a_sought_after_prefix_is_copied_to_an_idle_replica_and_a_one_off_is_not() -> None:
+    # "warm" holds a shared 8k system prompt and decodes 3 sequences; "cold" is idle. For
+    # this request alone the batch costs less than the prefill of a copy; at 12 requests a
+    # second on that prefix the copy serves the requests after it, and the batch thins.
+    fleet = [FakeReplica("warm", decoding=3, context_tokens=3 * 8200), FakeReplica("cold")]
+    exact = make_policy("predictive", {"tie_tolerance_ms": 0, "tie_tolerance_ratio": 0})
+    assert first(exact, fleet, request(8200, {"warm": 8000}, max_tokens=150)) == "warm"
+    hot = request(8200, {"warm": 8000}, max_tokens=150, prefix_rate=12.0)
+    ranked = exact.rank(hot, fleet)
+    assert ranked[0].replica.name == "cold" and ranked[0].terms["copy_credit_ms"] > 100
+    # The prediction is still the request's own wait: the copy's whole prefill.
+    assert ranked[0].terms["ttft_ms"] > 150
+    no_horizon = make_policy("predictive", {"copy_horizon_s": 0, "tie_tolerance_ms": 0, "tie_tolerance_ratio": 0})
+    assert first(no_horizon, fleet, hot) == "warm"
+
+
+def test_an_overloaded_fleet_keeps_the_hit_of_a_sought_after_prefix_too() -> None:
+    fleet = [FakeReplica("holder", prefill_tokens_queued=20_000), FakeReplica("short", prefill_tokens_queued=9_000)]
+    policy = make_policy("predictive", {"tie_tolerance_ms": 0, "tie_tolerance_ratio": 0})
+    assert first(policy, fleet, request(10_000, {"holder": 8_000}, prefix_rate=40.0)) == "holder"
 
 
 def test_a_replica_fitted_as_slow_gets_work_only_when_the_others_are_busier() -> None:
