@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections import Counter
 
 import orjson
 import pytest
@@ -216,3 +217,20 @@ def test_two_models_behind_one_endpoint_each_on_its_own_fleet_and_policy():
     # Round robin: the big model's requests alternate between its two replicas.
     big = [r.replica for r in sorted(result.records, key=lambda r: r.send_s) if r.model == "big" and r.ok]
     assert all(a != b for a, b in zip(big, big[1:], strict=False))
+
+
+def test_one_shared_system_prompt_at_light_load_is_copied_to_every_replica():
+    # Priced on each request's own wait, a cold replica's 8k prefill outweighs the batch on
+    # the warm ones and the prompt stays on a few; the copy credit counts the requests a copy
+    # serves afterwards, and the whole fleet shares the decode.
+    workload = load_workload("shared-prefix,groups=1,prompts_per_group=1200,system_tokens=8000,"
+                             "question_tokens=200,output_tokens=150,rate=12")
+
+    def served(horizon_s: float) -> list[int]:
+        result = simulate(uniform_fleet(8), workload.requests,
+                          PolicySettings(name="predictive", params={"copy_horizon_s": horizon_s}, seed=0))
+        return sorted(Counter(record.replica for record in result.records).values())
+
+    assert len(served(0.0)) < 8
+    spread = served(1.0)
+    assert len(spread) == 8 and spread[0] > 0.5 * 1200 / 8
