@@ -166,7 +166,11 @@ def plan_split(
     journey = None
     if split.split:
         journey = core.plan(route, features, prompt, split.prefill, origin_region)
-        why = colocate(split, journey.features.prompt_tokens, journey.ranking[0].terms.get("cached", 0.0), settings)
+        # The most any prefill replica holds, not the first choice's: the policy may rank
+        # first a replica that would copy a sought-after prefix, and the prompt is no less
+        # cached for that.
+        best_cached = max((c.terms.get("cached", 0.0) for c in journey.ranking), default=0.0)
+        why = colocate(split, journey.features.prompt_tokens, best_cached, settings)
     if why is not None:
         if not split.whole:
             raise ClientError(503, "no replica can serve this request: its model's prefill or decode "

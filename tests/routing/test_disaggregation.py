@@ -140,3 +140,23 @@ def test_the_decode_replica_is_priced_with_its_models_own_decode_iteration() -> 
     tokens = plan.decode.features.prompt_tokens + 50
     assert itl["small"] == pytest.approx(8.3 + 0.009 + 4.39e-5 * tokens)
     assert itl["big"] == pytest.approx(17.6 + 0.0403 + 2.79e-5 * tokens)
+
+
+def test_a_prompt_cached_on_one_prefill_replica_runs_whole_even_when_a_copy_ranks_first() -> None:
+    from balancer.routing.disaggregation import COLOCATED_CACHED, plan_split
+    from policies.base import RequestFeatures
+
+    core, fleet = _core([replica("p1", "prefill", host="h"), replica("p2", "prefill", host="h"),
+                         replica("d", "decode", host="h")])
+    p1, p2, _ = fleet.replicas
+    system = "Shared instructions for every caller of this service. " * 600
+    for i in range(60):  # a sought-after system prompt, all of it served by p1 so far
+        routed = core.tracker.predict(system + f"question {i}")
+        core.tracker.start(routed, p1)
+    p1.decoding, p1.context_tokens = 4, 4 * 8200
+    features = RequestFeatures("/v1/completions", stream=True, max_tokens=150)
+    prompt = system + "one more question"
+    prefill_ranking = core.plan("/v1/completions", features, prompt, [p1, p2]).ranking
+    assert prefill_ranking[0].replica is p2 and prefill_ranking[0].terms["copy_credit_ms"] > 0
+    plan = plan_split(core, "/v1/completions", features, prompt, fleet.replicas, DisaggregationSettings(protocol="vllm"))
+    assert plan.outcome == COLOCATED_CACHED and plan.decode is None
