@@ -22,14 +22,13 @@ r holds cached, u = p − c, q the prefill queued on r, L the LoRA adapter loads
 there (each stalls the engine's iterations, so whoever comes next waits it out), D the
 sequences r decodes and X their context tokens, C the most of the prompt any replica holds
 and h how many hold that much, P_C the prefill of the prompt on top of C, λ the requests per
-second that lately met that same prefix (balancer/routing/prefix_demand.py), n the expected output (the learned mean
-output of answers like it, else `default_output_tokens`, either bounded by `max_tokens` and
-`max_output_tokens`), w r's
-weight, v its relative prefill speed (its fitted time-to-first-token multiplier over the
-candidates' median) and s its relative decode speed (the same for its fitted
-time-per-output-token multiplier). Each is 1.0 while within `speed_tolerance` of the median:
-replicas of one kind stay equal instead of ranking on the noise of the loads each happened
-to see, and an error common to the fleet, such as a profile a little off, cancels. With s at
+second that lately met that same prefix (balancer/routing/prefix_demand.py), n the expected
+output (the learned mean output of answers like it, else `default_output_tokens`, either
+bounded by `max_tokens` and `max_output_tokens`), w r's weight, v its relative prefill
+speed (its fitted time-to-first-token multiplier over the candidates' median) and s its
+relative decode speed (the same for its fitted time-per-output-token multiplier). Each is
+1.0 while within `speed_tolerance` of the median: replicas of one kind stay equal instead
+of ranking on the noise of the loads each happened to see, and an error common to the fleet, such as a profile a little off, cancels. With s at
 1.0 the decode term is the batch's marginal effect on this request's tokens; a replica that
 decodes s times slower adds the rest of its own decode too.
 
@@ -71,8 +70,8 @@ Each Choice's terms, all floats: ``cached`` (predicted cached tokens there),
 observed time to fit the replica's multiplier), ``ttft_ms`` (model × the fitted multiplier:
 the prediction in this fleet's own milliseconds), ``model_itl_ms`` (`itl`, fitted the same
 way against the observed time per output token), ``speed`` (v), ``decode_speed`` (s),
-``decode_ms``, ``fleet_ms``, ``copy_credit_ms``, ``locality_ms``, ``busy`` (β), ``cost``, ``wait_ms``
-(= ttft_ms, for the overflow decision) and ``tier``.
+``decode_ms``, ``fleet_ms``, ``copy_credit_ms``, ``locality_ms``, ``busy`` (β), ``cost``,
+``wait_ms`` (= ttft_ms, for the overflow decision) and ``tier``.
 """
 
 from __future__ import annotations
@@ -357,10 +356,12 @@ class PredictivePolicy(Policy):
         fleet_w = self.fleet_weight * busy
         # The batch a request joins matters to its own tokens while the fleet has room; once
         # every replica is queueing, GPU time spent on prefill is what everyone waits for.
-        decode_w *= (1.0 - busy) ** 2
-        stall_w = self.prefill_stall_weight * (1.0 - busy) ** 2
+        # What a batch costs (its own decode, a prefill's stall, a copy's thinning) fades alike.
+        light = (1.0 - busy) ** 2
+        decode_w *= light
+        stall_w = self.prefill_stall_weight * light
         copy_share, deepest, beyond_ms = self._copy_share(request, replicas, prompt)
-        copy_share *= (1.0 - busy) ** 2
+        copy_share *= light
 
         choices: list[Choice] = []
         keys: list[float] = []
