@@ -28,9 +28,10 @@ bounded by `max_tokens` and `max_output_tokens`), w r's weight, v its relative p
 speed (its fitted time-to-first-token multiplier over the candidates' median) and s its
 relative decode speed (the same for its fitted time-per-output-token multiplier). Each is
 1.0 while within `speed_tolerance` of the median: replicas of one kind stay equal instead
-of ranking on the noise of the loads each happened to see, and an error common to the fleet, such as a profile a little off, cancels. With s at
-1.0 the decode term is the batch's marginal effect on this request's tokens; a replica that
-decodes s times slower adds the rest of its own decode too.
+of ranking on the noise of the loads each happened to see, and an error common to the
+fleet, such as a profile a little off, cancels. With s at 1.0 the decode term is the
+batch's marginal effect on this request's tokens; a replica that decodes s times slower
+adds the rest of its own decode too.
 
 `model` is this request's own time to first token. `decode` is what the batch it joins does
 to its own tokens: without it a light load piles onto the few warm replicas, and every
