@@ -99,6 +99,21 @@ class ReplicaView(Protocol):
         ...
 
     @property
+    def ttft_terms(self) -> tuple[float, ...] | None:
+        """A correction per term of the predicted time to first token there, in the order of
+        MODEL_TTFT_PARTS, on top of `ttft_scale`: how the replica departs from its profile in
+        shape. None until the fitted terms predict its answers well (not where its answers
+        carry waits no term explains, as in overload; see balancer/routing/term_fit.py)."""
+        ...
+
+    @property
+    def itl_terms(self) -> tuple[float, ...] | None:
+        """The shape of the replica's decode iteration against its profile's, in the order of
+        MODEL_ITL_PARTS, each term over their geometric mean (the level is `itl_scale`'s);
+        fitted with the stalls of prefills run meanwhile taken out. None likewise."""
+        ...
+
+    @property
     def adapter_slots(self) -> AdapterSlotsView:
         """Which LoRA adapters it holds in its GPU slots, by kvlb's account of what it
         routed there, and what loading another costs (balancer/routing/adapters.py)."""
@@ -150,6 +165,12 @@ DECODE_MS_PER_CONTEXT_TOKEN = 4.39e-5
 MODEL_TTFT_TERM = "model_ttft_ms"
 # Likewise its predicted time per output token there, which fits each replica's decode speed.
 MODEL_ITL_TERM = "model_itl_ms"
+# The terms that MODEL_TTFT_TERM and MODEL_ITL_TERM add up (an adapter's load aside), each
+# before any fit: the routing core fits a correction per term (balancer/routing/term_fit.py).
+# Time to first token: the engine iterations it waits through, the prompt tokens ahead of and
+# in it, their attention. Time per output token: the iteration, the context it reads.
+MODEL_TTFT_PARTS = ("model_ttft_iteration_ms", "model_ttft_token_ms", "model_ttft_attention_ms")
+MODEL_ITL_PARTS = ("model_itl_iteration_ms", "model_itl_context_ms")
 # Its predicted time to first token there in this fleet's own milliseconds (the fitted speed
 # applied): what flow control adds to a queued request's wait to judge its target.
 TTFT_TERM = "ttft_ms"

@@ -86,7 +86,9 @@ from policies.base import (
     DECODE_ITERATION_MS,
     DECODE_MS_PER_CONTEXT_TOKEN,
     DECODE_MS_PER_SEQ,
+    MODEL_ITL_PARTS,
     MODEL_ITL_TERM,
+    MODEL_TTFT_PARTS,
     MODEL_TTFT_TERM,
     TTFT_TERM,
     Choice,
@@ -152,6 +154,14 @@ class PredictivePolicy(Policy):
         Rank on each replica's fitted speed; false trusts the profile (and the weights).
     speed_tolerance (fraction, >= 0; default 0.3)
         Fitted prefill speeds within this fraction of the candidates' median count as equal.
+    use_fitted_terms (true or false; default true)
+        Also price each replica with its correction per term of its predictions (the
+        iterations waited, the prompt tokens, their attention; the decode iteration, the
+        context it reads), fitted apart on top of its speed where they predict its answers
+        well (balancer/routing/term_fit.py): a card faster than its profile at long prompts
+        but not at short ones is priced so at each length, in the prediction and, past the
+        speed tolerances, in the ranking. false: one multiplier on the whole prediction.
+        Needs use_fitted_speed.
     decode_speed_tolerance (fraction, >= 0; default 1.0)
         The same for decode speeds. Wider, because the time between a stream's tokens also
         carries the prefill chunks its replica ran meanwhile, which the fit cannot tell
@@ -205,6 +215,7 @@ class PredictivePolicy(Policy):
         fleet_decode_weight: float = 0.0,
         prefill_stall_weight: float = 0.2,
         use_fitted_speed: bool = True,
+        use_fitted_terms: bool = True,
         speed_tolerance: float = 0.3,
         decode_speed_tolerance: float = 1.0,
         busy_reference_ms: float = 30.0,
@@ -243,6 +254,9 @@ class PredictivePolicy(Policy):
         if not isinstance(use_fitted_speed, bool):
             raise ValueError(f"use_fitted_speed must be true or false, got {use_fitted_speed!r}")
         self.use_fitted_speed = use_fitted_speed
+        if not isinstance(use_fitted_terms, bool):
+            raise ValueError(f"use_fitted_terms must be true or false, got {use_fitted_terms!r}")
+        self.use_fitted_terms = use_fitted_terms and use_fitted_speed
         self.speed_tolerance = number_param("speed_tolerance", speed_tolerance, "fraction")
         self._speed_band = 1.0 + self.speed_tolerance
         self.decode_speed_tolerance = number_param("decode_speed_tolerance", decode_speed_tolerance, "fraction")
@@ -283,13 +297,45 @@ class PredictivePolicy(Policy):
             return None
         return [1.0 if low <= f <= high else f / median for f in fits]
 
+    @staticmethod
+    def _shaped(fits: list[float], shapes: list[tuple[float, ...] | None],
+                reference: tuple[float, ...]) -> list[float]:
+        """Each replica's fitted multiplier times what its fitted terms make of a prediction
+        whose terms are `reference` (this request's shares, summing to 1): its speed at this
+        kind of request. `fits` as they are where no replica has trusted terms (None).
+
+        A replica without trusted terms takes the median of those with them, term by term:
+        one of the fleet, not its profile, so the fleet's common departure from the profile
+        sets no replica apart. Terms are weighed on the whole request rather than one by
+        one: the iteration and token terms both grow with the prompt and trade off against
+        each other between fits that predict alike."""
+        trusted = [shape for shape in shapes if shape is not None]
+        if not trusted:
+            return fits
+        if len(trusted) == 1:
+            median = trusted[0]
+        else:
+            median = tuple(statistics.median(column) for column in zip(*trusted, strict=True))
+        fleet = sum(m * z for m, z in zip(median, reference, strict=True))
+        if len(reference) == 3:
+            z0, z1, z2 = reference
+            return [fit * (fleet if t is None else t[0] * z0 + t[1] * z1 + t[2] * z2)
+                    for fit, t in zip(fits, shapes, strict=True)]
+        z0, z1 = reference
+        return [fit * (fleet if t is None else t[0] * z0 + t[1] * z1) for fit, t in zip(fits, shapes, strict=True)]
+
     def decode_iteration(self) -> tuple[float, float, float]:
         return self.decode_iteration_ms, self.decode_ms_per_seq, self.decode_ms_per_context_token
 
-    def relative_decode_speeds(self, replicas: Sequence[ReplicaView]) -> list[float] | None:
+    def relative_decode_speeds(self, replicas: Sequence[ReplicaView],
+                               reference: tuple[float, ...] | None = None) -> list[float] | None:
+        """`reference`: the shares of a decode iteration's terms (MODEL_ITL_PARTS, summing
+        to 1) to weigh each replica's fitted decode terms by; None: the multiplier alone."""
         if not self.use_fitted_speed or not replicas:
             return None
         fits = _trusted_fits([r.itl_scale for r in replicas], [r.itl_samples for r in replicas])
+        if reference is not None and self.use_fitted_terms:
+            fits = self._shaped(fits, [r.itl_terms for r in replicas], reference)
         return self._relative_speeds(fits, self._decode_speed_band) if min(fits) != max(fits) else None
 
     def _copy_share(self, request: RequestFeatures, replicas: Sequence[ReplicaView],
@@ -343,8 +389,20 @@ class PredictivePolicy(Policy):
         sees_loads = adapter_w > 0  # blind to adapters is blind to their loads too
 
         fits = _trusted_fits([r.ttft_scale for r in replicas], [r.ttft_samples for r in replicas])
+        # Ranked on each replica's speed at this request's own prefill, whole and alone: its
+        # fitted terms weighed by that prefill's (the iterations, the tokens, their attention).
         scales = self._relative_speeds(fits, self._speed_band) if fitted and min(fits) != max(fits) else None
-        decode_scales = self.relative_decode_speeds(replicas)
+        shaped = self.use_fitted_terms
+        shapes = [r.ttft_terms for r in replicas] if shaped else None
+        if shapes is not None and shapes.count(None) == len(shapes):
+            shapes = None
+        # The decode, an iteration beside the candidates' average batch.
+        reference = None
+        if shaped and any(r.itl_terms is not None for r in replicas):
+            iteration = self.decode_iteration_ms + d1 * (1 + sum(r.decoding for r in replicas) / len(replicas))
+            context = d2 * (prompt + n / 2 + sum(r.context_tokens for r in replicas) / len(replicas))
+            reference = (iteration / (iteration + context), context / (iteration + context))
+        decode_scales = self.relative_decode_speeds(replicas, reference)
         # β from the shortest backlog: some idle replica means the fleet is not saturated.
         shortest = math.inf
         for j, r in enumerate(replicas):
@@ -359,9 +417,25 @@ class PredictivePolicy(Policy):
         # every replica is queueing, GPU time spent on prefill is what everyone waits for.
         # What a batch costs (its own decode, a prefill's stall, a copy's thinning) fades alike.
         light = (1.0 - busy) ** 2
+        if shapes is not None and light > 0.0 and None not in shapes:
+            # Ranked on each replica's speed at this request's own prefill, whole and alone:
+            # its fitted terms weighed by that prefill's (the iterations, the tokens, their
+            # attention). Faded as the fleet saturates: there every answer waits for what no
+            # term explains, and on the shared trace at 4x (seed 0) terms taught in its lulls
+            # moved enough choices to cost 1.6 s of TTFT p99.
+            whole = ((1.5 + prompt * inv_chunk) * a, prompt * b, k * prompt * prompt * 0.5)
+            total = whole[0] + whole[1] + whole[2]
+            z0, z1, z2 = whole[0] / total, whole[1] / total, whole[2] / total
+            fits_ranked = [f if t is None else t[0] * z0 + t[1] * z1 + t[2] * z2 for f, t in zip(fits, shapes, strict=True)]
+            if light < 1.0:
+                fits_ranked = [f * (g / f) ** light for f, g in zip(fits, fits_ranked, strict=True)]
+            scales = (self._relative_speeds(fits_ranked, self._speed_band)
+                      if fitted and min(fits_ranked) != max(fits_ranked) else None)
         decode_w *= light
         stall_w = self.prefill_stall_weight * light
         copy_share, deepest, beyond_ms = self._copy_share(request, replicas, prompt)
+        own_context = d2 * (prompt + n / 2)
+        e = self.decode_iteration_ms
         copy_share *= light
 
         choices: list[Choice] = []
@@ -382,10 +456,28 @@ class PredictivePolicy(Policy):
             decode_speed = decode_scales[i] if decode_scales else 1.0
             inv_w = 1.0 / r.weight
             batch = decoding * d1 + r.context_tokens * d2
-            own_prefill = uncached * b + k * uncached * (cached + uncached * 0.5)
-            model_ttft = (queued * b + own_prefill + (1.5 + (queued + uncached) * inv_chunk) * (a + batch)) * inv_w
+            tokens_ms = uncached * b
+            attention_ms = k * uncached * (cached + uncached * 0.5)
+            waited_ms = (1.5 + (queued + uncached) * inv_chunk) * (a + batch) * inv_w
+            queue_ms = (queued * b + tokens_ms) * inv_w
+            model_ttft = waited_ms + queue_ms + attention_ms * inv_w
+            itl_iteration = (e + d1 * (decoding + 1)) * inv_w
+            itl_context = (own_context + r.context_tokens * d2) * inv_w
+            own_prefill = tokens_ms + attention_ms
+            # The prediction in the replica's own milliseconds: its fitted terms, where they
+            # have earned trust.
+            terms = shapes[i] if shapes is not None else None
+            if terms is not None:
+                # Its fitted terms are its own milliseconds: no multiplier on top.
+                s_wait, s_token, s_attention = terms
+                shaped_ttft = s_wait * waited_ms + s_token * queue_ms + s_attention * attention_ms * inv_w
+                level = 1.0
+            else:
+                shaped_ttft = model_ttft
+                level = fits[i]
             if sees_loads:
                 model_ttft += r.adapter_slots.loading_ms
+                shaped_ttft += r.adapter_slots.loading_ms
             adapter_ms = evict_ms = 0.0
             if adapter is not None:
                 slots = r.adapter_slots
@@ -404,7 +496,8 @@ class PredictivePolicy(Policy):
                             adapter_ms += 0.5 * n * (own_decode + batch) * inv_w
                         evict_ms += slots.load_ms * slots.eviction_cost(victim)
                     model_ttft += adapter_w * adapter_ms
-            ttft = model_ttft * fits[i]
+                    shaped_ttft += adapter_w * adapter_ms
+            ttft = shaped_ttft * level
             decode = (decode_w * n * (batch * decode_speed + own_decode * (decode_speed - 1.0))
                       + stall_w * own_prefill * speed * decoding) * inv_w
             fleet = (own_prefill * speed + fleet_decode_w * n * decoding * per_seq_added * decode_speed) * inv_w * fleet_w
@@ -421,6 +514,11 @@ class PredictivePolicy(Policy):
                         TTFT_TERM: ttft,
                         MODEL_TTFT_TERM: model_ttft,
                         MODEL_ITL_TERM: (own_decode + batch) * inv_w,
+                        MODEL_TTFT_PARTS[0]: waited_ms,
+                        MODEL_TTFT_PARTS[1]: queue_ms,
+                        MODEL_TTFT_PARTS[2]: attention_ms * inv_w,
+                        MODEL_ITL_PARTS[0]: itl_iteration,
+                        MODEL_ITL_PARTS[1]: itl_context,
                         "decode_ms": decode,
                         "fleet_ms": fleet,
                         "copy_credit_ms": copy,

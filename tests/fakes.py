@@ -24,4 +24,7 @@ class FakeReplica:
     # A fake's scales count as fitted and trusted: a test that sets one means a replica long measured.
     ttft_samples: int = 100
     itl_samples: int = 100
+    # No fitted terms trusted unless a test sets them.
+    ttft_terms: tuple[float, ...] | None = None
+    itl_terms: tuple[float, ...] | None = None
     adapter_slots: AdapterSlots = field(default_factory=lambda: AdapterSlots(1, 100.0))

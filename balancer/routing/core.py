@@ -47,9 +47,12 @@ from balancer.routing.fleet import Fleet, Replica
 from balancer.routing.flow import FlowController
 from balancer.routing.latency import LatencyFit
 from balancer.routing.output_length import OutputLengths
+from balancer.routing.term_fit import ITL_RIDGE, TTFT_RIDGE, TermFit
 from balancer.routing.tracker import CacheTracker, Lesson, Routed
 from policies.base import (
+    MODEL_ITL_PARTS,
     MODEL_ITL_TERM,
+    MODEL_TTFT_PARTS,
     MODEL_TTFT_TERM,
     TTFT_TERM,
     Choice,
@@ -67,6 +70,16 @@ DEFAULT_OUTPUT_TOKENS = 256.0
 # How often untaught speed fits fade (latency.FADE_AFTER_S): a walk over the fleet, so not
 # per request.
 FADE_CHECK_S = 1.0
+
+
+
+def _parts(terms: Mapping[str, float], names: tuple[str, ...]) -> tuple[float, ...]:
+    """A prediction's terms from a choice, or () where the policy does not report them."""
+    try:
+        return tuple(terms[name] for name in names)
+    except KeyError:
+        return ()
+
 
 # call_at(when, callback): run callback(now) once the driver's clock reaches `when`.
 CallAt = Callable[[float, Callable[[float], None]], Any]
@@ -88,7 +101,12 @@ class Journey:
     sent_at: float = 0.0  # when the attempt started, for the latency fit
     model_ttft_ms: float = 0.0  # the policy's predicted time to first token before the fit, if any
     model_itl_ms: float = 0.0  # and its predicted time per output token
+    # Those two predictions' terms (term_fit.py), where the policy reports them.
+    ttft_parts: tuple[float, ...] = ()
+    itl_parts: tuple[float, ...] = ()
     first_byte_at: float | None = None  # when the attempt's answer started, for the decode fit
+    # Its replica's `prefill_ms_started` then: the prefill started there since stalled its decode.
+    stall_mark_ms: float = 0.0
     # The attempt found its replica's prefill queue empty: its answer may confirm a change of
     # the replica's speed (latency.py).
     alone: bool = False
@@ -219,6 +237,8 @@ class RoutingCore:
             self.tracker.forget(replica.name)
         replica.latency = LatencyFit()
         replica.decode_latency = LatencyFit()
+        replica.ttft_terms_fit = TermFit(TTFT_RIDGE)
+        replica.itl_terms_fit = TermFit(ITL_RIDGE)
         replica.adapter_slots.forget()
 
     # -- one request ---------------------------------------------------------------------
@@ -228,8 +248,10 @@ class RoutingCore:
         if now - self._faded_at >= FADE_CHECK_S:
             self._faded_at = now
             for replica in self.fleet.replicas:
-                replica.latency.fade(now)
-                replica.decode_latency.fade(now)
+                if replica.latency.fade(now):
+                    replica.ttft_terms_fit.fade()
+                if replica.decode_latency.fade(now):
+                    replica.itl_terms_fit.fade()
         return self.fleet.candidates(model, allowed_regions, now)
 
     def flow_cost(self, features: RequestFeatures, body_bytes: int) -> float:
@@ -316,8 +338,16 @@ class RoutingCore:
         terms = choice.terms
         journey.model_ttft_ms = terms.get(MODEL_TTFT_TERM, 0.0)
         journey.model_itl_ms = terms.get(MODEL_ITL_TERM, 0.0)
+        journey.ttft_parts = _parts(terms, MODEL_TTFT_PARTS)
+        journey.itl_parts = _parts(terms, MODEL_ITL_PARTS)
         journey.first_byte_at = None
-        journey.alone = replica.prefill_tokens_queued == 0
+        queued = replica.prefill_tokens_queued
+        journey.alone = queued == 0
+        parts = journey.ttft_parts
+        if parts and queued + uncached > 0:
+            # This attempt's own prefill, by the prediction: the stall it will put on every
+            # sequence decoding there (the token term also holds the queue ahead of it).
+            replica.prefill_ms_started += parts[1] * uncached / (queued + uncached) + parts[2]
         context = journey.context = journey.features.prompt_tokens
         replica.context_tokens += context
         if journey.features.adapter is not None:
@@ -345,14 +375,33 @@ class RoutingCore:
             journey.load_ms = 0.0
         journey.phase = DECODING
         journey.first_byte_at = now
+        journey.stall_mark_ms = replica.prefill_ms_started
         tracker = self.tracker
         if journey.routed is not None and tracker is not None:
             tracker.first_byte(journey.routed, replica)
         if now is None or not journey.features.stream or journey.model_ttft_ms <= 0:
             return None
         fit = replica.latency
+        observed_ms = (now - journey.sent_at) * 1000.0
         prior = self._median_fit(False) if fit.samples == 0 else None
-        return fit.observe((now - journey.sent_at) * 1000.0, journey.model_ttft_ms, prior, journey.alone, now)
+        parts = journey.ttft_parts
+        model_ms = journey.model_ttft_ms
+        terms = replica.ttft_terms_fit
+        # The policy's own prediction: its terms where they have earned trust.
+        trusted = terms.trusted
+        # The policy's own prediction there: the replica's fitted terms where they have
+        # earned trust, else the profile's times its multiplier.
+        predicted_ms = (model_ms - sum(parts) + sum(t * p for t, p in zip(trusted, parts, strict=True))
+                        if parts and trusted is not None else 0.0)
+        if parts and journey.alone:
+            # Only an answer that waited for no one else's prefill shows the terms of the
+            # replica's own: behind a queue the waits the model does not see (KV memory,
+            # the queue's order) would be read as a slow term.
+            terms.observe(observed_ms, parts, model_ms - sum(parts))
+        error = fit.observe(observed_ms, model_ms, prior, journey.alone, now)
+        if error is not None and predicted_ms > 0:
+            return observed_ms / predicted_ms
+        return error
 
     def transferred(self, prefill: Journey, decode: Journey) -> None:
         """A disaggregated request's decode half has its KV: its replica now holds the prompt."""
@@ -385,6 +434,13 @@ class RoutingCore:
         per_token_ms = (now - started) * 1000.0 / (output_tokens - 1)
         fit = replica.decode_latency
         prior = self._median_fit(True) if fit.samples == 0 else None
+        if journey.itl_parts:
+            # Each prefill started there meanwhile stalled every token of this answer's
+            # decode by its length: not a term of the decode iteration, so not fitted as one.
+            # (The multiplier does carry them.)
+            stalls_ms = (replica.prefill_ms_started - journey.stall_mark_ms) / (output_tokens - 1)
+            replica.itl_terms_fit.observe(per_token_ms, journey.itl_parts,
+                                          journey.model_itl_ms - sum(journey.itl_parts) + stalls_ms)
         return fit.observe(per_token_ms, journey.model_itl_ms, prior, now=now)
 
     def _median_fit(self, decode: bool) -> float | None:

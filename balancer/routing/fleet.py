@@ -13,6 +13,7 @@ from balancer.errors import ClientError
 from balancer.routing.adapters import AdapterDemand, AdapterSlots
 from balancer.routing.breaker import Breaker, BreakerSettings
 from balancer.routing.latency import LatencyFit
+from balancer.routing.term_fit import ITL_RIDGE, TTFT_RIDGE, TermFit
 
 
 class Replica:
@@ -23,7 +24,7 @@ class Replica:
         "declared_model", "in_flight", "healthy", "discovered_models", "model_cards",
         "prefill_tokens_queued", "decoding", "breaker", "draining", "settings",
         "remote_in_flight", "remote_prefill_tokens_queued", "remote_decoding", "remote_context_tokens",
-        "context_tokens", "latency", "decode_latency", "adapter_slots", "discovered_adapters",
+        "context_tokens", "latency", "decode_latency", "ttft_terms_fit", "itl_terms_fit", "prefill_ms_started", "adapter_slots", "discovered_adapters",
         "engine_max_loras",
     )
 
@@ -52,6 +53,12 @@ class Replica:
         self.context_tokens = 0
         self.latency = LatencyFit()  # time to first token: prefill and queue
         self.decode_latency = LatencyFit()  # time between output tokens: the decode batch
+        # Each term of those two predictions fitted apart (balancer/routing/term_fit.py).
+        self.ttft_terms_fit = TermFit(TTFT_RIDGE)
+        self.itl_terms_fit = TermFit(ITL_RIDGE)
+        # The prefill (profile ms) of every attempt this instance has started there, summed:
+        # what stalled the decode of an answer streaming meanwhile is the growth of this.
+        self.prefill_ms_started = 0.0
         self.breaker = Breaker(breaker or BreakerSettings())
         # Draining: no new requests; those in flight finish (admin API).
         self.draining = False
@@ -75,6 +82,14 @@ class Replica:
     @property
     def itl_scale(self) -> float:
         return self.decode_latency.scale
+
+    @property
+    def ttft_terms(self) -> tuple[float, ...] | None:
+        return self.ttft_terms_fit.trusted
+
+    @property
+    def itl_terms(self) -> tuple[float, ...] | None:
+        return self.itl_terms_fit.trusted_shape
 
     @property
     def ttft_samples(self) -> int:

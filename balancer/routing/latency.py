@@ -82,11 +82,13 @@ class LatencyFit:
         # When an answer last taught it (or its evidence last faded), by the core's clock.
         self.taught_at: float | None = None
 
-    def fade(self, now: float) -> None:
-        """Halve the evidence of a fit untaught for FADE_AFTER_S."""
+    def fade(self, now: float) -> bool:
+        """Halve the evidence of a fit untaught for FADE_AFTER_S; True when it did."""
         if self.evidence and self.taught_at is not None and now - self.taught_at >= FADE_AFTER_S:
             self.evidence //= 2
             self.taught_at = now
+            return True
+        return False
 
     def observe(self, observed_ms: float, model_ms: float, prior: float | None = None,
                 confirmable: bool = False, now: float | None = None) -> float | None:

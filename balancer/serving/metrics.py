@@ -30,6 +30,7 @@ from balancer.protocol import (
 from balancer.routing.breaker import STATE_VALUES
 from balancer.routing.fleet import Fleet
 from balancer.routing.index import PrefixIndex
+from balancer.routing.term_fit import ITL_TERMS, TTFT_TERMS
 from balancer.routing.token_ratio import TokenRatio
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -378,6 +379,27 @@ class Metrics(Collector):
             "profile), learned from streamed answers that reported their length",
             labels=["replica"],
         )
+        ttft_terms = GaugeMetricFamily(
+            "kvlb_replica_ttft_term_scale",
+            "Fitted multiplier on each term of the replica's predicted time to first token "
+            "(iteration: the engine iterations waited; token: its prompt tokens; attention), "
+            "from answers that found its prefill queue empty: how it departs from its profile "
+            "in shape as well as in level",
+            labels=["replica", "term"],
+        )
+        itl_terms = GaugeMetricFamily(
+            "kvlb_replica_itl_term_scale",
+            "Fitted multiplier on each term of the replica's decode iteration (iteration: its "
+            "fixed cost and per sequence; context: the batch's context read), with the stalls "
+            "of prefills run meanwhile taken out, which the time-per-token multiplier keeps",
+            labels=["replica", "term"],
+        )
+        terms_used = GaugeMetricFamily(
+            "kvlb_replica_terms_in_use",
+            "1 where the replica's fitted terms predict its answers clearly better than one "
+            "multiplier would, so routing uses them; 0 where it uses the multiplier alone",
+            labels=["replica", "prediction"],
+        )
         adapters = [family(name, text, labels=["replica"]) for family, name, text in ADAPTER_REPLICA_METRICS]
         now = asyncio.get_running_loop().time()
         for replica in self.fleet.replicas:
@@ -388,6 +410,12 @@ class Metrics(Collector):
                     family.add_metric([replica.name], value)
             scale.add_metric([replica.name], replica.ttft_scale)
             itl_scale.add_metric([replica.name], replica.itl_scale)
+            for term, shape in zip(TTFT_TERMS, replica.ttft_terms_fit.shape, strict=True):
+                ttft_terms.add_metric([replica.name, term], shape)
+            for term, shape in zip(ITL_TERMS, replica.itl_terms_fit.shape, strict=True):
+                itl_terms.add_metric([replica.name, term], shape)
+            for prediction, fit in (("ttft", replica.ttft_terms_fit), ("itl", replica.itl_terms_fit)):
+                terms_used.add_metric([replica.name, prediction], 1.0 if fit.earned else 0.0)
             in_flight.add_metric([replica.name], replica.in_flight)
             healthy.add_metric([replica.name], 1.0 if replica.healthy else 0.0)
             breaker.add_metric([replica.name], STATE_VALUES[replica.breaker.state(now)])
@@ -400,4 +428,7 @@ class Metrics(Collector):
         yield queued
         yield scale
         yield itl_scale
+        yield ttft_terms
+        yield itl_terms
+        yield terms_used
         yield from adapters

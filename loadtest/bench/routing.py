@@ -3,7 +3,8 @@
 Route time covers hashing the canonical prompt (lazily), `PrefixIndex.match`, and ranking 16
 replicas with the real policy (`--policy`, default predictive; balancer.routing.fleet.Replica
 objects with random loads). A last part ranks 200 such replicas, 20 of them holding part of
-the prompt: what one decision costs on a large fleet (floor 1 ms). Prompts are synthetic text, 4 characters a token. The index is
+the prompt: what one decision costs on a large fleet (floor 1 ms). Half the replicas have fitted terms that earned trust (balancer/routing/term_fit.py), so
+the ranking weighs them. Prompts are synthetic text, 4 characters a token. The index is
 filled first with sessions that share a system prompt. Of the routed prompt's own blocks,
 2 replicas hold all, 4 hold half, 6 hold the system prompt and 4 hold none (most of those 4
 hold the system prompt anyway, through other sessions). Other prompts fill the index to about
@@ -88,6 +89,19 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def teach_terms(replicas: list[Replica], rng: random.Random) -> None:
+    """Half the replicas fitted, term by term, as a card of another shape than the profile
+    (attention a quarter of it), so that ranking weighs fitted terms in the timed path."""
+    for replica in replicas[::2]:
+        for _ in range(40):
+            n = rng.randint(500, 32_000)
+            parts = ((1.5 + n / 8192) * 5.3, n * 0.0191, 7.4e-7 * n * n / 2)
+            replica.ttft_terms_fit.observe(parts[0] + parts[1] + parts[2] / 4, parts)
+            decode = (8.6, 4.39e-5 * rng.randint(10_000, 400_000))
+            replica.itl_terms_fit.observe(decode[0] + decode[1] / 2, decode)
+        assert replica.ttft_terms is not None and replica.itl_terms is not None
+
+
 def bench_routes(scale: float, policy_name: str = "predictive") -> dict[int, float]:
     rng = random.Random(7)
     clock = time.monotonic
@@ -102,6 +116,7 @@ def bench_routes(scale: float, policy_name: str = "predictive") -> dict[int, flo
         replica.in_flight = rng.randrange(8)
         replica.prefill_tokens_queued = rng.randrange(4) * 2048
         replica.decoding = replica.in_flight
+    teach_terms(replicas, rng)
     policy = make_policy(policy_name, seed=7)
     tpb = hasher.tokens_per_block
     perf = time.perf_counter_ns
@@ -178,6 +193,7 @@ def bench_fleet_rank(policy_name: str, replicas_n: int = 200, calls: int = 2000)
         replica.in_flight = replica.decoding = rng.randrange(32)
         replica.prefill_tokens_queued = rng.randrange(8) * 2048
         replica.context_tokens = replica.decoding * 4096
+    teach_terms(replicas, rng)
     features = RequestFeatures(
         route="/v1/chat/completions", prompt_tokens=8000,
         cached_tokens={r.name: rng.randrange(8000) for r in rng.sample(replicas, 20)},

@@ -14,13 +14,13 @@ import pytest
 
 from balancer.config import load_settings
 from balancer.routing.adapters import AdapterDemand, AdapterSlots
-from policies.base import RequestFeatures
+from policies.base import MODEL_ITL_PARTS, MODEL_TTFT_PARTS, RequestFeatures
 from policies.predictive import PredictivePolicy
 from policies.registry import POLICIES, make_policy
 from tests.fakes import FakeReplica
 
 TERMS = {"cached", "output_tokens", "model_itl_ms", "decode_speed", "ttft_ms", "model_ttft_ms", "decode_ms", "fleet_ms", "locality_ms", "busy", "speed",
-         "cost", "wait_ms", "tier", "adapter_ms", "evict_ms", "copy_credit_ms"}
+         "cost", "wait_ms", "tier", "adapter_ms", "evict_ms", "copy_credit_ms", *MODEL_TTFT_PARTS, *MODEL_ITL_PARTS}
 
 
 def request(prompt_tokens: int, cached: Mapping[str, int] | None = None, *, max_tokens: int | None = None,
@@ -65,6 +65,9 @@ def test_every_replica_once_with_terms_that_add_up() -> None:
         # Only a replica holding less of the prompt than r2 would make a copy worth a credit.
         assert (t["copy_credit_ms"] > 0) == (choice.replica.name != "r2")
         assert t["ttft_ms"] == pytest.approx(t["model_ttft_ms"] * choice.replica.ttft_scale)
+        # The parts the core fits apart add up to the predictions they split.
+        assert sum(t[p] for p in MODEL_TTFT_PARTS) == pytest.approx(t["model_ttft_ms"])
+        assert sum(t[p] for p in MODEL_ITL_PARTS) == pytest.approx(t["model_itl_ms"])
 
 
 def test_an_idle_fleet_predicts_a_lone_prefill() -> None:
@@ -218,6 +221,38 @@ def test_replicas_not_yet_fitted_count_as_the_fitted_median() -> None:
     # Once they are fitted too, a real difference counts again.
     fitted = [FakeReplica("slow", ttft_scale=5.0, ttft_samples=5)] + [FakeReplica(f"r{i}") for i in range(3)]
     assert picks(make_policy("predictive", seed=2), fitted, request(2000))["slow"] == 0
+
+
+def test_a_card_fitted_faster_at_attention_takes_the_long_prompts_not_the_short_ones() -> None:
+    # One replica whose attention term is fitted at a tenth of the profile's, three as the
+    # profile says; all idle. A 30k-token prompt spends a third of its prefill on attention.
+    fleet = [FakeReplica("fast", ttft_terms=(1.0, 1.0, 0.1))]
+    fleet += [FakeReplica(f"plain{i}", ttft_terms=(1.0, 1.0, 1.0)) for i in range(3)]
+    shaped = picks(make_policy("predictive", seed=3), fleet, request(30_000))
+    assert shaped == {"fast": 200}, shaped
+    # A short prompt's attention is a rounding error: it goes anywhere.
+    short = picks(make_policy("predictive", seed=3), fleet, request(500))
+    assert min(short[r.name] for r in fleet) > 20, short
+    # Blind to the terms, the long prompt goes anywhere too; so it does when the fast
+    # replica's terms have not earned trust (they predict its answers no better).
+    blind = picks(make_policy("predictive", {"use_fitted_terms": False}, seed=3), fleet, request(30_000))
+    assert min(blind[r.name] for r in fleet) > 20, blind
+    fleet[0].ttft_terms = None
+    untrusted = picks(make_policy("predictive", seed=3), fleet, request(30_000))
+    assert min(untrusted[r.name] for r in fleet) > 20, untrusted
+    # The prediction is in the replica's own milliseconds: a tenth of the attention.
+    fleet[0].ttft_terms = (1.0, 1.0, 0.1)
+    choices = {c.replica.name: c.terms for c in make_policy("predictive", seed=3).rank(request(30_000), fleet)}
+    saved = choices["plain0"]["model_ttft_attention_ms"] * 0.9
+    assert choices["fast"]["ttft_ms"] == pytest.approx(choices["plain0"]["ttft_ms"] - saved)
+
+
+def test_term_corrections_within_the_tolerance_count_as_equal() -> None:
+    # Replicas of one kind whose fitted terms differ by the noise of what each happened to see.
+    fleet = [FakeReplica("a", ttft_terms=(1.2, 0.9, 1.2)), FakeReplica("b", ttft_terms=(0.9, 1.05, 0.95))]
+    ranked = make_policy("predictive", seed=1).rank(request(30_000), fleet)
+    blind = make_policy("predictive", {"use_fitted_terms": False}, seed=1).rank(request(30_000), fleet)
+    assert [c.terms["cost"] for c in ranked] == [c.terms["cost"] for c in blind]
 
 
 def test_one_slow_answer_is_not_a_verdict_but_two_clipped_steps_are() -> None:
