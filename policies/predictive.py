@@ -297,33 +297,6 @@ class PredictivePolicy(Policy):
             return None
         return [1.0 if low <= f <= high else f / median for f in fits]
 
-    @staticmethod
-    def _shaped(fits: list[float], shapes: list[tuple[float, ...] | None],
-                reference: tuple[float, ...]) -> list[float]:
-        """Each replica's fitted multiplier times what its fitted terms make of a prediction
-        whose terms are `reference` (this request's shares, summing to 1): its speed at this
-        kind of request. `fits` as they are where no replica has trusted terms (None).
-
-        A replica without trusted terms takes the median of those with them, term by term:
-        one of the fleet, not its profile, so the fleet's common departure from the profile
-        sets no replica apart. Terms are weighed on the whole request rather than one by
-        one: the iteration and token terms both grow with the prompt and trade off against
-        each other between fits that predict alike."""
-        trusted = [shape for shape in shapes if shape is not None]
-        if not trusted:
-            return fits
-        if len(trusted) == 1:
-            median = trusted[0]
-        else:
-            median = tuple(statistics.median(column) for column in zip(*trusted, strict=True))
-        fleet = sum(m * z for m, z in zip(median, reference, strict=True))
-        if len(reference) == 3:
-            z0, z1, z2 = reference
-            return [fit * (fleet if t is None else t[0] * z0 + t[1] * z1 + t[2] * z2)
-                    for fit, t in zip(fits, shapes, strict=True)]
-        z0, z1 = reference
-        return [fit * (fleet if t is None else t[0] * z0 + t[1] * z1) for fit, t in zip(fits, shapes, strict=True)]
-
     def decode_iteration(self) -> tuple[float, float, float]:
         return self.decode_iteration_ms, self.decode_ms_per_seq, self.decode_ms_per_context_token
 
@@ -335,7 +308,13 @@ class PredictivePolicy(Policy):
             return None
         fits = _trusted_fits([r.itl_scale for r in replicas], [r.itl_samples for r in replicas])
         if reference is not None and self.use_fitted_terms:
-            fits = self._shaped(fits, [r.itl_terms for r in replicas], reference)
+            shapes = [r.itl_terms for r in replicas]
+            if None not in shapes:
+                # Each multiplier (the level, stalls included) times its decode terms' shape
+                # at this iteration's mix: a card that reads context faster than it iterates
+                # is priced so where the batch's context is what an iteration spends on.
+                z0, z1 = reference
+                fits = [f * (t[0] * z0 + t[1] * z1) for f, t in zip(fits, shapes, strict=True)]
         return self._relative_speeds(fits, self._decode_speed_band) if min(fits) != max(fits) else None
 
     def _copy_share(self, request: RequestFeatures, replicas: Sequence[ReplicaView],
@@ -398,7 +377,7 @@ class PredictivePolicy(Policy):
             shapes = None
         # The decode, an iteration beside the candidates' average batch.
         reference = None
-        if shaped and any(r.itl_terms is not None for r in replicas):
+        if shaped and all(r.itl_terms is not None for r in replicas):
             iteration = self.decode_iteration_ms + d1 * (1 + sum(r.decoding for r in replicas) / len(replicas))
             context = d2 * (prompt + n / 2 + sum(r.context_tokens for r in replicas) / len(replicas))
             reference = (iteration / (iteration + context), context / (iteration + context))
@@ -417,20 +396,20 @@ class PredictivePolicy(Policy):
         # every replica is queueing, GPU time spent on prefill is what everyone waits for.
         # What a batch costs (its own decode, a prefill's stall, a copy's thinning) fades alike.
         light = (1.0 - busy) ** 2
-        if shapes is not None and light > 0.0 and None not in shapes:
-            # Ranked on each replica's speed at this request's own prefill, whole and alone:
-            # its fitted terms weighed by that prefill's (the iterations, the tokens, their
-            # attention). Faded as the fleet saturates: there every answer waits for what no
-            # term explains, and on the shared trace at 4x (seed 0) terms taught in its lulls
-            # moved enough choices to cost 1.6 s of TTFT p99.
+        if shapes is not None and None not in shapes:
+            # Every candidate's terms predict it well: each is ranked on its speed at this
+            # request's own prefill, whole and alone, its terms weighed by that prefill's (the
+            # iterations, the tokens, their attention). Only where all have earned it: a fit
+            # in the replicas' own milliseconds beside a multiplier on the profile's would set
+            # replicas of one kind apart by how each happened to be fitted (on the shared
+            # trace at 4x, where terms are trusted only in lulls, that mix cost 2.6 s of TTFT
+            # p99 on seed 0).
             whole = ((1.5 + prompt * inv_chunk) * a, prompt * b, k * prompt * prompt * 0.5)
             total = whole[0] + whole[1] + whole[2]
             z0, z1, z2 = whole[0] / total, whole[1] / total, whole[2] / total
-            fits_ranked = [f if t is None else t[0] * z0 + t[1] * z1 + t[2] * z2 for f, t in zip(fits, shapes, strict=True)]
-            if light < 1.0:
-                fits_ranked = [f * (g / f) ** light for f, g in zip(fits, fits_ranked, strict=True)]
+            fits_ranked = [t[0] * z0 + t[1] * z1 + t[2] * z2 for t in shapes]
             scales = (self._relative_speeds(fits_ranked, self._speed_band)
-                      if fitted and min(fits_ranked) != max(fits_ranked) else None)
+                      if min(fits_ranked) != max(fits_ranked) else None)
         decode_w *= light
         stall_w = self.prefill_stall_weight * light
         copy_share, deepest, beyond_ms = self._copy_share(request, replicas, prompt)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import orjson
@@ -122,17 +123,21 @@ def endless_stream_app(seen: Seen, gap_s: float = 0.02) -> web.Application:
 
 
 def usage_reporting_app(*, natural_length: int = 20, token_gap_s: float = 0.0,
-                        report_cached: bool = True) -> web.Application:
+                        report_cached: bool = True,
+                        first_token_s: Callable[[int], float] | None = None) -> web.Application:
     """A completions engine that counts one token per word and reports usage as vLLM does:
     `natural_length` tokens, or fewer when max_tokens says so, streamed `token_gap_s` apart,
     the usage chunk only when the client asked for it. Without `report_cached` it leaves out
-    `prompt_tokens_details`, as vLLM does without --enable-prompt-tokens-details."""
+    `prompt_tokens_details`, as vLLM does without --enable-prompt-tokens-details.
+    `first_token_s(prompt tokens)`: how long its prefill takes before the first token."""
 
     async def complete(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         bound = body.get("max_tokens")
         out = natural_length if bound is None else min(bound, natural_length)
         usage: dict = {"prompt_tokens": len(body["prompt"].split()), "completion_tokens": out}
+        if first_token_s is not None:
+            await asyncio.sleep(first_token_s(usage["prompt_tokens"]))
         if report_cached:
             usage["prompt_tokens_details"] = {"cached_tokens": 0}
         if not body.get("stream"):

@@ -58,7 +58,7 @@ CLIP = 2.0
 MIN_PREDICTED_MS = 1.0
 # When the fitted terms are used (`earned`): after this many answers, once their error
 # (squared log ratio of each answer before it taught them, decayed like the fit's memory) is
-# at most this, a typical miss of about 14 %. An overloaded replica's answers carry waits no
+# at most this, a typical miss of about 10 %. An overloaded replica's answers carry waits no
 # term explains (for KV memory, behind prefills that came after them): there the terms fit
 # noise (errors of 0.04-0.13 on the shared trace at 4x) and, used, cost the fleet its
 # balance (TTFT p99 6.5 s against 4.9).

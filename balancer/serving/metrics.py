@@ -396,8 +396,9 @@ class Metrics(Collector):
         )
         terms_used = GaugeMetricFamily(
             "kvlb_replica_terms_in_use",
-            "1 where the replica's fitted terms predict its answers clearly better than one "
-            "multiplier would, so routing uses them; 0 where it uses the multiplier alone",
+            "1 where the replica's fitted terms predict its answers well (a typical miss under "
+            "about 10 %), so its predictions use them, and its ranking does when every "
+            "candidate's do; 0 where it uses its multiplier alone",
             labels=["replica", "prediction"],
         )
         adapters = [family(name, text, labels=["replica"]) for family, name, text in ADAPTER_REPLICA_METRICS]
