@@ -166,11 +166,12 @@ MODEL_TTFT_TERM = "model_ttft_ms"
 # Likewise its predicted time per output token there, which fits each replica's decode speed.
 MODEL_ITL_TERM = "model_itl_ms"
 # The terms that MODEL_TTFT_TERM and MODEL_ITL_TERM add up (an adapter's load aside), each
-# before any fit: the routing core fits a correction per term (balancer/routing/term_fit.py).
-# Time to first token: the engine iterations it waits through, the prompt tokens ahead of and
-# in it, their attention. Time per output token: the iteration, the context it reads.
-MODEL_TTFT_PARTS = ("model_ttft_iteration_ms", "model_ttft_token_ms", "model_ttft_attention_ms")
-MODEL_ITL_PARTS = ("model_itl_iteration_ms", "model_itl_context_ms")
+# before any fit, in the order of a Choice's `parts`: the routing core fits a coefficient per
+# term (balancer/routing/term_fit.py). Time to first token: the engine iterations it waits
+# through, the prompt tokens ahead of and in it, their attention. Time per output token: the
+# iteration, the context it reads.
+MODEL_TTFT_PARTS = ("iteration", "token", "attention")
+MODEL_ITL_PARTS = ("iteration", "context")
 # Its predicted time to first token there in this fleet's own milliseconds (the fitted speed
 # applied): what flow control adds to a queued request's wait to judge its target.
 TTFT_TERM = "ttft_ms"
@@ -179,10 +180,14 @@ TTFT_TERM = "ttft_ms"
 # Not frozen: one is built per replica per request, and frozen dataclasses cost 3x to create.
 @dataclass(slots=True)
 class Choice:
-    """One ranked replica with the terms that put it there (for logs and headers)."""
+    """One ranked replica with the terms that put it there (for logs and headers), and, from
+    a policy that predicts time, the terms its two predictions add up (`parts`: the
+    MODEL_TTFT_PARTS, then the MODEL_ITL_PARTS; kept apart from `terms`, which every
+    decision fills for every replica, since only the chosen one's are read)."""
 
     replica: ReplicaView
     terms: Mapping[str, float] = field(default_factory=dict)
+    parts: tuple[float, ...] = ()
 
 
 class Policy:

@@ -25,8 +25,10 @@ and h how many hold that much, P_C the prefill of the prompt on top of C, λ the
 second that lately met that same prefix (balancer/routing/prefix_demand.py), n the expected
 output (the learned mean output of answers like it, else `default_output_tokens`, either
 bounded by `max_tokens` and `max_output_tokens`), w r's weight, v its relative prefill
-speed (its fitted time-to-first-token multiplier over the candidates' median) and s its
-relative decode speed (the same for its fitted time-per-output-token multiplier). Each is
+speed (its fitted time-to-first-token multiplier over the candidates' median; where every
+candidate's fitted terms are in use, its terms weighed by this prompt's prefill, over the
+same median) and s its relative decode speed (the same for its fitted time-per-output-token
+multiplier, times its decode terms' shape where every candidate's are in use). Each is
 1.0 while within `speed_tolerance` of the median: replicas of one kind stay equal instead
 of ranking on the noise of the loads each happened to see, and an error common to the
 fleet, such as a profile a little off, cancels. With s at 1.0 the decode term is the
@@ -72,7 +74,11 @@ observed time to fit the replica's multiplier), ``ttft_ms`` (model × the fitted
 the prediction in this fleet's own milliseconds), ``model_itl_ms`` (`itl`, fitted the same
 way against the observed time per output token), ``speed`` (v), ``decode_speed`` (s),
 ``decode_ms``, ``fleet_ms``, ``copy_credit_ms``, ``locality_ms``, ``busy`` (β), ``cost``,
-``wait_ms`` (= ttft_ms, for the overflow decision) and ``tier``.
+``wait_ms`` (= ttft_ms, for the overflow decision), ``tier``, and the terms the two
+predictions add up are the Choice's ``parts``, which the routing core fits one by one
+(MODEL_TTFT_PARTS and MODEL_ITL_PARTS of policies/base.py). Where the replica's fitted terms are in use,
+``ttft_ms`` is those terms applied to the first three instead of the multiplier to
+``model_ttft_ms``.
 """
 
 from __future__ import annotations
@@ -86,9 +92,7 @@ from policies.base import (
     DECODE_ITERATION_MS,
     DECODE_MS_PER_CONTEXT_TOKEN,
     DECODE_MS_PER_SEQ,
-    MODEL_ITL_PARTS,
     MODEL_ITL_TERM,
-    MODEL_TTFT_PARTS,
     MODEL_TTFT_TERM,
     TTFT_TERM,
     Choice,
@@ -493,11 +497,6 @@ class PredictivePolicy(Policy):
                         TTFT_TERM: ttft,
                         MODEL_TTFT_TERM: model_ttft,
                         MODEL_ITL_TERM: (own_decode + batch) * inv_w,
-                        MODEL_TTFT_PARTS[0]: waited_ms,
-                        MODEL_TTFT_PARTS[1]: queue_ms,
-                        MODEL_TTFT_PARTS[2]: attention_ms * inv_w,
-                        MODEL_ITL_PARTS[0]: itl_iteration,
-                        MODEL_ITL_PARTS[1]: itl_context,
                         "decode_ms": decode,
                         "fleet_ms": fleet,
                         "copy_credit_ms": copy,
@@ -511,6 +510,7 @@ class PredictivePolicy(Policy):
                         "wait_ms": ttft,
                         "tier": 0.0,
                     },
+                    (waited_ms, queue_ms, attention_ms * inv_w, itl_iteration, itl_context),
                 )
             )
             keys.append(cost + rand() * (tol_abs + tol_rel * cost))

@@ -73,13 +73,6 @@ FADE_CHECK_S = 1.0
 
 
 
-def _parts(terms: Mapping[str, float], names: tuple[str, ...]) -> tuple[float, ...]:
-    """A prediction's terms from a choice, or () where the policy does not report them."""
-    try:
-        return tuple(terms[name] for name in names)
-    except KeyError:
-        return ()
-
 
 # call_at(when, callback): run callback(now) once the driver's clock reaches `when`.
 CallAt = Callable[[float, Callable[[float], None]], Any]
@@ -338,8 +331,12 @@ class RoutingCore:
         terms = choice.terms
         journey.model_ttft_ms = terms.get(MODEL_TTFT_TERM, 0.0)
         journey.model_itl_ms = terms.get(MODEL_ITL_TERM, 0.0)
-        journey.ttft_parts = _parts(terms, MODEL_TTFT_PARTS)
-        journey.itl_parts = _parts(terms, MODEL_ITL_PARTS)
+        parts = choice.parts
+        split = len(MODEL_TTFT_PARTS)
+        if len(parts) == split + len(MODEL_ITL_PARTS):
+            journey.ttft_parts, journey.itl_parts = parts[:split], parts[split:]
+        else:
+            journey.ttft_parts = journey.itl_parts = ()
         journey.first_byte_at = None
         queued = replica.prefill_tokens_queued
         journey.alone = queued == 0

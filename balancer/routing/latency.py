@@ -31,6 +31,9 @@ fleet departs from the model everywhere at once (requests waiting for KV memory,
 model does not see), and jumping on those errors misranked replicas of one kind (shared
 trace at 4x on 8 replicas: TTFT p99 13.3 s against 5.9 s without jumps).
 
+Beside each multiplier, `term_fit.py` fits the same answers term by term (the shape of the
+replica's speed, not only its level).
+
 Sans I/O: the routing core reports each first byte and each end with the time it measured,
 so the same fits run live and in the simulator.
 """

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import math
 
+from policies.base import MODEL_ITL_PARTS, MODEL_TTFT_PARTS
+
 MIN_SHAPE = 0.05
 MAX_SHAPE = 20.0
 # Weight of the prior (θ = one level for all) per term, in samples' worth of that term alone. Answers share
@@ -65,10 +67,9 @@ MIN_PREDICTED_MS = 1.0
 EARN_SAMPLES = 16
 EARN_ERROR = 0.01
 
-# The terms of each prediction, named as in metrics, in the order a policy reports them
-# (policies/base.py: MODEL_TTFT_PARTS, MODEL_ITL_PARTS).
-TTFT_TERMS = ("iteration", "token", "attention")
-ITL_TERMS = ("iteration", "context")
+# The terms of each prediction, named as in metrics, in the order a policy reports them.
+TTFT_TERMS = MODEL_TTFT_PARTS
+ITL_TERMS = MODEL_ITL_PARTS
 
 
 class TermFit:

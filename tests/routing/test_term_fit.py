@@ -158,7 +158,7 @@ def test_the_core_fits_the_terms_from_streamed_answers_that_found_the_queue_empt
         core.next_attempt(journey, clock)
         assert journey.alone
         iteration, token, attention = (journey.ttft_parts[j] for j in range(3))
-        assert journey.ttft_parts == tuple(core_terms(journey, MODEL_TTFT_PARTS))
+        assert journey.ttft_parts == journey.ranking[0].parts[:len(MODEL_TTFT_PARTS)]
         # Attention a quarter of the profile's, the rest as it says.
         clock += (iteration + token + 0.25 * attention) / 1000.0
         core.first_byte(journey, clock)
@@ -174,10 +174,6 @@ def test_the_core_fits_the_terms_from_streamed_answers_that_found_the_queue_empt
     core.first_byte(behind, clock + 10.0)
     assert replica.ttft_terms_fit.samples == 61
 
-
-def core_terms(journey, names):  # noqa: ANN001, ANN201 - the ranked choice's own terms
-    chosen = journey.ranking[0].terms
-    return [chosen[name] for name in names]
 
 
 def test_prefills_started_during_an_answer_are_stalls_not_a_slow_decode_term() -> None:
