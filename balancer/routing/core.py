@@ -71,9 +71,6 @@ DEFAULT_OUTPUT_TOKENS = 256.0
 # per request.
 FADE_CHECK_S = 1.0
 
-
-
-
 # call_at(when, callback): run callback(now) once the driver's clock reaches `when`.
 CallAt = Callable[[float, Callable[[float], None]], Any]
 
@@ -94,7 +91,8 @@ class Journey:
     sent_at: float = 0.0  # when the attempt started, for the latency fit
     model_ttft_ms: float = 0.0  # the policy's predicted time to first token before the fit, if any
     model_itl_ms: float = 0.0  # and its predicted time per output token
-    # Those two predictions' terms (term_fit.py), where the policy reports them.
+    # Those two predictions' terms (the chosen Choice's `parts`, term_fit.py), where the
+    # policy reports them.
     ttft_parts: tuple[float, ...] = ()
     itl_parts: tuple[float, ...] = ()
     first_byte_at: float | None = None  # when the attempt's answer started, for the decode fit
@@ -384,7 +382,6 @@ class RoutingCore:
         parts = journey.ttft_parts
         model_ms = journey.model_ttft_ms
         terms = replica.ttft_terms_fit
-        # The policy's own prediction: its terms where they have earned trust.
         trusted = terms.trusted
         # The policy's own prediction there: the replica's fitted terms where they have
         # earned trust, else the profile's times its multiplier.

@@ -43,13 +43,13 @@ from policies.base import MODEL_ITL_PARTS, MODEL_TTFT_PARTS
 
 MIN_SHAPE = 0.05
 MAX_SHAPE = 20.0
-# Weight of the prior (θ = one level for all) per term, in samples' worth of that term alone. Answers share
-# out their time by the terms' sizes, so a term that is a tenth of most answers needs about
-# ten answers to outweigh even a small prior: the token and attention terms of a prefill
-# are told apart by the prompts' lengths within a few dozen answers. The iterations a
-# prefill waits through carry the one in progress when it arrived (a whole one or none),
-# and a time per output token is an answer's average over a batch that changed under it,
-# so those take more evidence before they move.
+# Weight of the prior (θ = one level for all) per term, in samples' worth of that term
+# alone. Answers share out their time by the terms' sizes, so a term that is a tenth of most
+# answers needs about ten answers to outweigh even a small prior: the token and attention
+# terms of a prefill are told apart by the prompts' lengths within a few dozen answers. The
+# iterations a prefill waits through carry the one in progress when it arrived (a whole one
+# or none), and a time per output token is an answer's average over a batch that changed
+# under it, so those take more evidence before they move.
 TTFT_RIDGE = (0.5, 0.05, 0.05)
 ITL_RIDGE = (1.0, 1.0)
 # Each sample's weight decays by this per later sample: a memory of about 1 / (1 - FORGET).
@@ -62,8 +62,8 @@ MIN_PREDICTED_MS = 1.0
 # (squared log ratio of each answer before it taught them, decayed like the fit's memory) is
 # at most this, a typical miss of about 10 %. An overloaded replica's answers carry waits no
 # term explains (for KV memory, behind prefills that came after them): there the terms fit
-# noise (errors of 0.04-0.13 on the shared trace at 4x) and, used, cost the fleet its
-# balance (TTFT p99 6.5 s against 4.9).
+# noise (errors of 0.04-0.13 on the shared trace at 4x, trusted in its lulls at a bar of
+# 0.02, where they cost TTFT p99 6.2-7.6 s against 4.9 on seed 0; at 0.01 it runs as without).
 EARN_SAMPLES = 16
 EARN_ERROR = 0.01
 
@@ -74,7 +74,7 @@ ITL_TERMS = MODEL_ITL_PARTS
 
 class TermFit:
     """One replica's fitted coefficient on each term of one prediction, over its profile's
-    (`shape`; all 1.0 until it has answered)."""
+    (`shape`; all 1.0 until it has answered, then from its first answer's level)."""
 
     __slots__ = ("shape", "samples", "_gram", "_moment", "_n", "_ridge", "_level", "error", "earned", "trusted",
                  "trusted_shape")
