@@ -147,15 +147,20 @@ def _core() -> tuple[RoutingCore, Fleet]:
     return core, fleet
 
 
+def _send(core: RoutingCore, fleet: Fleet, text: str, clock: float, stream: bool = True):  # noqa: ANN202
+    """Plan `text` and start its attempt on the one replica; the journey."""
+    journey = core.plan("/v1/completions", RequestFeatures("/v1/completions", stream=stream), text, fleet.replicas)
+    core.next_attempt(journey, clock)
+    return journey
+
+
 def test_the_core_fits_the_terms_from_streamed_answers_that_found_the_queue_empty() -> None:
     core, fleet = _core()
     replica = fleet.replicas[0]
     rng = random.Random(7)
     clock = 0.0
     for i in range(60):
-        text = f"{i} " + "word " * rng.randint(300, 20_000)
-        journey = core.plan("/v1/completions", RequestFeatures("/v1/completions", stream=True), text, fleet.replicas)
-        core.next_attempt(journey, clock)
+        journey = _send(core, fleet, f"{i} " + "word " * rng.randint(300, 20_000), clock)
         assert journey.alone
         iteration, token, attention = (journey.ttft_parts[j] for j in range(3))
         assert journey.ttft_parts == journey.ranking[0].parts[:len(MODEL_TTFT_PARTS)]
@@ -166,14 +171,11 @@ def test_the_core_fits_the_terms_from_streamed_answers_that_found_the_queue_empt
     assert replica.ttft_terms_fit.samples == 60
     assert replica.ttft_terms[2] < 0.5 and replica.ttft_terms[1] == pytest.approx(1.0, abs=0.2)
     # A request behind another's prefill teaches the terms nothing: the wait is the queue's.
-    ahead = core.plan("/v1/completions", RequestFeatures("/v1/completions", stream=True), "a " * 5000, fleet.replicas)
-    core.next_attempt(ahead, clock)
-    behind = core.plan("/v1/completions", RequestFeatures("/v1/completions", stream=True), "b " * 5000, fleet.replicas)
-    core.next_attempt(behind, clock)
+    ahead = _send(core, fleet, "a " * 5000, clock)
+    behind = _send(core, fleet, "b " * 5000, clock)
     core.first_byte(ahead, clock + 0.1)
     core.first_byte(behind, clock + 10.0)
     assert replica.ttft_terms_fit.samples == 61
-
 
 
 def test_prefills_started_during_an_answer_are_stalls_not_a_slow_decode_term() -> None:
@@ -182,16 +184,12 @@ def test_prefills_started_during_an_answer_are_stalls_not_a_slow_decode_term() -
     rng = random.Random(8)
     clock = 0.0
     for i in range(40):
-        answer = core.plan("/v1/completions", RequestFeatures("/v1/completions", stream=True),
-                           f"{i} " + "word " * rng.randint(300, 20_000), fleet.replicas)
-        core.next_attempt(answer, clock)
+        answer = _send(core, fleet, f"{i} " + "word " * rng.randint(300, 20_000), clock)
         clock += 0.2
         core.first_byte(answer, clock)
         before = replica.prefill_ms_started
         # Another long prompt arrives while the answer streams: its prefill stalls each token.
-        other = core.plan("/v1/completions", RequestFeatures("/v1/completions"),
-                          f"other {i} " + "word " * 16_000, fleet.replicas)
-        core.next_attempt(other, clock)
+        other = _send(core, fleet, f"other {i} " + "word " * 16_000, clock, stream=False)
         stall_ms = replica.prefill_ms_started - before
         assert stall_ms > 100
         tokens = 50
