@@ -100,10 +100,11 @@ class ReplicaView(Protocol):
 
     @property
     def ttft_terms(self) -> tuple[float, ...] | None:
-        """A correction per term of the predicted time to first token there, in the order of
-        MODEL_TTFT_PARTS, on top of `ttft_scale`: how the replica departs from its profile in
-        shape. None until the fitted terms predict its answers well (not where its answers
-        carry waits no term explains, as in overload; see balancer/routing/term_fit.py)."""
+        """Its fitted coefficient per term of the predicted time to first token, over the
+        profile's, in the order of MODEL_TTFT_PARTS: in its own milliseconds, so in place of
+        `ttft_scale`, not on top of it. None until the fitted terms predict its answers well
+        (not where its answers carry waits no term explains, as in overload; see
+        balancer/routing/term_fit.py)."""
         ...
 
     @property

@@ -159,10 +159,10 @@ class PredictivePolicy(Policy):
     speed_tolerance (fraction, >= 0; default 0.3)
         Fitted prefill speeds within this fraction of the candidates' median count as equal.
     use_fitted_terms (true or false; default true)
-        Also price each replica with its correction per term of its predictions (the
+        Also price each replica with its coefficient per term of its predictions (the
         iterations waited, the prompt tokens, their attention; the decode iteration, the
-        context it reads), fitted apart on top of its speed where they predict its answers
-        well (balancer/routing/term_fit.py): a card faster than its profile at long prompts
+        context it reads), fitted apart where they predict its answers well
+        (balancer/routing/term_fit.py): a card faster than its profile at long prompts
         but not at short ones is priced so at each length, in the prediction and, past the
         speed tolerances, in the ranking. false: one multiplier on the whole prediction.
         Needs use_fitted_speed.
@@ -357,7 +357,8 @@ class PredictivePolicy(Policy):
         inv_chunk = 1.0 / self.chunk_tokens
         n = self.expected_output(request)
         # What one more sequence of this request's length adds to each iteration it shares.
-        per_seq_added = d1 + d2 * (prompt + n / 2)
+        own_context = d2 * (prompt + n / 2)  # what this sequence's context adds to an iteration
+        per_seq_added = d1 + own_context
         own_decode = self.decode_iteration_ms + per_seq_added
         decode_w = self.decode_weight
         fleet_decode_w = self.fleet_decode_weight
@@ -372,8 +373,6 @@ class PredictivePolicy(Policy):
         sees_loads = adapter_w > 0  # blind to adapters is blind to their loads too
 
         fits = _trusted_fits([r.ttft_scale for r in replicas], [r.ttft_samples for r in replicas])
-        # Ranked on each replica's speed at this request's own prefill, whole and alone: its
-        # fitted terms weighed by that prefill's (the iterations, the tokens, their attention).
         scales = self._relative_speeds(fits, self._speed_band) if fitted and min(fits) != max(fits) else None
         shaped = self.use_fitted_terms
         shapes = [r.ttft_terms for r in replicas] if shaped else None
@@ -383,7 +382,7 @@ class PredictivePolicy(Policy):
         reference = None
         if shaped and all(r.itl_terms is not None for r in replicas):
             iteration = self.decode_iteration_ms + d1 * (1 + sum(r.decoding for r in replicas) / len(replicas))
-            context = d2 * (prompt + n / 2 + sum(r.context_tokens for r in replicas) / len(replicas))
+            context = own_context + d2 * sum(r.context_tokens for r in replicas) / len(replicas)
             reference = (iteration / (iteration + context), context / (iteration + context))
         decode_scales = self.relative_decode_speeds(replicas, reference)
         # β from the shortest backlog: some idle replica means the fleet is not saturated.
@@ -417,7 +416,6 @@ class PredictivePolicy(Policy):
         decode_w *= light
         stall_w = self.prefill_stall_weight * light
         copy_share, deepest, beyond_ms = self._copy_share(request, replicas, prompt)
-        own_context = d2 * (prompt + n / 2)
         e = self.decode_iteration_ms
         copy_share *= light
 

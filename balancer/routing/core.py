@@ -383,15 +383,16 @@ class RoutingCore:
         model_ms = journey.model_ttft_ms
         terms = replica.ttft_terms_fit
         trusted = terms.trusted
+        unshaped_ms = model_ms - sum(parts)  # what no term holds: an adapter's load
         # The policy's own prediction there: the replica's fitted terms where they have
         # earned trust, else the profile's times its multiplier.
-        predicted_ms = (model_ms - sum(parts) + sum(t * p for t, p in zip(trusted, parts, strict=True))
+        predicted_ms = (unshaped_ms + sum(t * p for t, p in zip(trusted, parts, strict=True))
                         if parts and trusted is not None else 0.0)
         if parts and journey.alone:
             # Only an answer that waited for no one else's prefill shows the terms of the
             # replica's own: behind a queue the waits the model does not see (KV memory,
             # the queue's order) would be read as a slow term.
-            terms.observe(observed_ms, parts, model_ms - sum(parts))
+            terms.observe(observed_ms, parts, unshaped_ms)
         error = fit.observe(observed_ms, model_ms, prior, journey.alone, now)
         if error is not None and predicted_ms > 0:
             return observed_ms / predicted_ms

@@ -24,8 +24,8 @@ class Replica:
         "declared_model", "in_flight", "healthy", "discovered_models", "model_cards",
         "prefill_tokens_queued", "decoding", "breaker", "draining", "settings",
         "remote_in_flight", "remote_prefill_tokens_queued", "remote_decoding", "remote_context_tokens",
-        "context_tokens", "latency", "decode_latency", "ttft_terms_fit", "itl_terms_fit", "prefill_ms_started", "adapter_slots", "discovered_adapters",
-        "engine_max_loras",
+        "context_tokens", "latency", "decode_latency", "ttft_terms_fit", "itl_terms_fit", "prefill_ms_started",
+        "adapter_slots", "discovered_adapters", "engine_max_loras",
     )
 
     def __init__(self, settings: ReplicaSettings, breaker: BreakerSettings | None = None,

@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import math
 
-from policies.base import MODEL_ITL_PARTS, MODEL_TTFT_PARTS
-
 MIN_SHAPE = 0.05
 MAX_SHAPE = 20.0
 # Weight of the prior (θ = one level for all) per term, in samples' worth of that term
@@ -66,10 +64,6 @@ MIN_PREDICTED_MS = 1.0
 # 0.02, where they cost TTFT p99 6.2-7.6 s against 4.9 on seed 0; at 0.01 it runs as without).
 EARN_SAMPLES = 16
 EARN_ERROR = 0.01
-
-# The terms of each prediction, named as in metrics, in the order a policy reports them.
-TTFT_TERMS = MODEL_TTFT_PARTS
-ITL_TERMS = MODEL_ITL_PARTS
 
 
 class TermFit:

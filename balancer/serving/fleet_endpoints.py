@@ -31,8 +31,8 @@ from balancer.errors import JSON_HEADERS, ClientError
 from balancer.protocol import kvlb_version
 from balancer.routing.core import RoutingCore
 from balancer.routing.fleet import Replica
-from balancer.routing.term_fit import ITL_TERMS, TTFT_TERMS
 from balancer.wire.server import Request
+from policies.base import MODEL_ITL_PARTS, MODEL_TTFT_PARTS
 
 RESET_ROUTES = ("/reset_prefix_cache", "/flush_cache")
 TOKEN_ROUTES = ("/tokenize", "/detokenize")
@@ -162,9 +162,9 @@ class FleetEndpoints:
                 "kv_capacity_tokens": r.kv_capacity_tokens, "in_flight": r.in_flight,
                 "prefill_tokens_queued": r.prefill_tokens_queued, "decoding": r.decoding,
                 "ttft_scale": r.ttft_scale, "itl_scale": r.itl_scale,
-                "ttft_terms": dict(zip(TTFT_TERMS, r.ttft_terms_fit.shape, strict=True)),
+                "ttft_terms": dict(zip(MODEL_TTFT_PARTS, r.ttft_terms_fit.shape, strict=True)),
                 "ttft_terms_in_use": r.ttft_terms_fit.earned,
-                "itl_terms": dict(zip(ITL_TERMS, r.itl_terms_fit.shape, strict=True)),
+                "itl_terms": dict(zip(MODEL_ITL_PARTS, r.itl_terms_fit.shape, strict=True)),
                 "itl_terms_in_use": r.itl_terms_fit.earned,
             })
         return {"server": "kvlb", "version": kvlb_version(), "policy": self._policy_name(), "replicas": replicas}

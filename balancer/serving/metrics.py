@@ -30,8 +30,8 @@ from balancer.protocol import (
 from balancer.routing.breaker import STATE_VALUES
 from balancer.routing.fleet import Fleet
 from balancer.routing.index import PrefixIndex
-from balancer.routing.term_fit import ITL_TERMS, TTFT_TERMS
 from balancer.routing.token_ratio import TokenRatio
+from policies.base import MODEL_ITL_PARTS, MODEL_TTFT_PARTS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 NO_REPLICA = "none"
@@ -411,9 +411,9 @@ class Metrics(Collector):
                     family.add_metric([replica.name], value)
             scale.add_metric([replica.name], replica.ttft_scale)
             itl_scale.add_metric([replica.name], replica.itl_scale)
-            for term, shape in zip(TTFT_TERMS, replica.ttft_terms_fit.shape, strict=True):
+            for term, shape in zip(MODEL_TTFT_PARTS, replica.ttft_terms_fit.shape, strict=True):
                 ttft_terms.add_metric([replica.name, term], shape)
-            for term, shape in zip(ITL_TERMS, replica.itl_terms_fit.shape, strict=True):
+            for term, shape in zip(MODEL_ITL_PARTS, replica.itl_terms_fit.shape, strict=True):
                 itl_terms.add_metric([replica.name, term], shape)
             for prediction, fit in (("ttft", replica.ttft_terms_fit), ("itl", replica.itl_terms_fit)):
                 terms_used.add_metric([replica.name, prediction], 1.0 if fit.earned else 0.0)
