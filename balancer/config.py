@@ -156,6 +156,9 @@ class ReplicaSettings:
     # has) and what loading one into a slot costs.
     adapters: tuple[str, ...] = ()
     max_loras: int | None = _checked(None, _at_least(1))
+    # How many adapters it keeps registered at once (SGLang --max-loaded-loras; None: as the
+    # engine reports it, else no limit, as vLLM): kvlb unloads one before loading another past it.
+    max_loaded_loras: int | None = _checked(None, _at_least(1))
     lora_load_ms: float = _checked(100.0, _rule(lambda v: v >= 0, "must be >= 0, got {!r}"))
     # Prefill/decode disaggregation (docs/disaggregation.md): which half of a request it
     # serves, and, for a prefill server speaking SGLang's protocol, the port of its
@@ -465,7 +468,12 @@ class AdapterSettings:
 
     load_on_demand: tuple[LoadableAdapter, ...] = _checked((), check=_uniquely_named)
     load_path: str = _checked("/v1/load_lora_adapter", _url_path)
+    # None: the load path's sibling (/v1/unload_lora_adapter, SGLang's /unload_lora_adapter).
+    unload_path: str | None = _checked(None, _url_path)
     load_timeout_s: float = _checked(30.0, _positive)
+    # A replica that holds as many adapters as it may (`max_loaded_loras`) unloads the
+    # coldest one kvlb can load again, with no request of kvlb's running on it, to make room.
+    unload_to_make_room: bool = True
 
 
 @dataclass(frozen=True, slots=True)

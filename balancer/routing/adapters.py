@@ -20,7 +20,7 @@ Sans I/O and clock; bounded by the slots and by `MAX_ADAPTERS`.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 
 # Per adapter request anywhere in the fleet: the weight of earlier ones in an adapter's
 # demand. About the last 1 / (1 - FADE) requests count.
@@ -189,6 +189,12 @@ class AdapterSlots:
         demand.loaded(adapter)
         return True
 
+    def unloaded(self, adapter: str) -> None:
+        """The engine unregistered `adapter`: out of its slots too."""
+        if adapter in self._resident:
+            del self._resident[adapter]
+            self.demand.evicted(adapter)
+
     def ended(self, adapter: str) -> None:
         _decrement(self._running, adapter)
 
@@ -197,6 +203,26 @@ class AdapterSlots:
         for adapter in self._resident:
             self.demand.evicted(adapter)
         self._resident.clear()
+
+
+def unload_choice(registered: Iterable[str], reloadable: Collection[str], spared: Collection[str],
+                  slots: AdapterSlots, holders: Callable[[str], int]) -> str | None:
+    """Which adapter a replica holding as many as it may should unload to make room: one kvlb
+    can load again (`reloadable`), not `spared` (loads under way), with no request of kvlb's
+    running on it there, whose next request is least likely to find no other copy (its demand
+    over the replicas serving it, this one included); among equals, the least recently used
+    there, an adapter out of its GPU slots first. None when none may go."""
+    recency = {adapter: rank for rank, adapter in enumerate(slots.resident())}
+    share = slots.demand.share
+    best: tuple[float, int, str] | None = None
+    for adapter in registered:
+        if adapter not in reloadable or adapter in spared or slots.running(adapter):
+            continue
+        cost = min(1.0, share(adapter) / SURE_SHARE) / max(holders(adapter), 1)
+        key = (cost, recency.get(adapter, -1), adapter)
+        if best is None or key < best:
+            best = key
+    return None if best is None else best[2]
 
 
 def _decrement(counts: dict[str, int], key: str) -> None:

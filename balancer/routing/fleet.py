@@ -25,7 +25,7 @@ class Replica:
         "prefill_tokens_queued", "decoding", "breaker", "draining", "settings",
         "remote_in_flight", "remote_prefill_tokens_queued", "remote_decoding", "remote_context_tokens",
         "context_tokens", "latency", "decode_latency", "ttft_terms_fit", "itl_terms_fit", "prefill_ms_started",
-        "adapter_slots", "discovered_adapters", "engine_max_loras",
+        "adapter_slots", "discovered_adapters", "engine_max_loras", "engine_max_loaded_loras",
     )
 
     def __init__(self, settings: ReplicaSettings, breaker: BreakerSettings | None = None,
@@ -74,6 +74,9 @@ class Replica:
         # The slots the engine itself reported holding (SGLang's /get_server_info, vLLM's
         # lora_requests_info), None until it has; used where config names no `max_loras`.
         self.engine_max_loras: int | None = None
+        # How many adapters the engine keeps registered at once (SGLang's max_loaded_loras
+        # on /get_server_info): 0 once it has answered without one, None until it answers.
+        self.engine_max_loaded_loras: int | None = None
 
     @property
     def ttft_scale(self) -> float:
@@ -115,6 +118,11 @@ class Replica:
 
     def serves_adapter(self, adapter: str) -> bool:
         return adapter in self.settings.adapters or adapter in self.discovered_adapters
+
+    @property
+    def max_loaded_loras(self) -> int | None:
+        """How many adapters it may keep registered: config's, else the engine's; None: no limit."""
+        return self.settings.max_loaded_loras or self.engine_max_loaded_loras or None
 
     def set_remote_load(self, in_flight: int, prefill_tokens_queued: int, decoding: int,
                         context_tokens: int = 0, loading_ms: int = 0) -> None:

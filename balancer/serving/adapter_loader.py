@@ -10,6 +10,14 @@ One load at a time per adapter: requests arriving while it loads wait for the sa
 A failed load answers 503 `adapter_load_failed` naming the replica and its answer, and
 nothing is marked; the next request tries again. What is loaded shows in the replica's
 `/v1/models` from then on, which discovery reads back.
+
+An engine may keep only so many adapters registered (SGLang's `--max-loaded-loras`) and
+refuses a load past it until one is unloaded. A replica known to be there (config's or the
+engine's `max_loaded_loras`), or one that refuses a load saying so, first unloads the
+adapter `unload_choice` names (balancer/routing/adapters.py): one kvlb can load again, idle
+as far as kvlb knows, and the least missed. It stops being routed there before the unload is
+sent, so no request of kvlb's races it. Loads and unloads on one replica run one at a time,
+as the engines run them.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from prometheus_client.registry import Collector
 
 from balancer.config import AdapterSettings, LoadableAdapter
 from balancer.errors import ClientError
+from balancer.routing.adapters import unload_choice
 from balancer.routing.core import RoutingCore
 from balancer.routing.fleet import Replica
 from policies.base import RequestFeatures
@@ -35,7 +44,11 @@ log = logging.getLogger("kvlb.adapters")
 # An engine asked to load an adapter it already has says so with a 400 (vLLM: "has already
 # been loaded"): the adapter is there, which is what was wanted.
 ALREADY_LOADED = "already"
+# SGLang's refusal of a load past --max-loaded-loras.
+REGISTRY_FULL = "Maximum number of loaded LoRA adapters"
 ERROR_EXCERPT = 200
+# An engine's answer is read this far for the words above, no further.
+MAX_ANSWER_CHARS = 4096
 
 
 class AdapterLoader(Collector):
@@ -47,7 +60,13 @@ class AdapterLoader(Collector):
         self._authorization = authorization
         self._loadable = {adapter.name: adapter for adapter in settings.load_on_demand}
         self._loading: dict[str, asyncio.Future[None]] = {}
+        self._unload_path = settings.unload_path or settings.load_path.replace(
+            "load_lora_adapter", "unload_lora_adapter")
+        # One load or unload at a time per replica: two loads racing for its last free
+        # registration would both be refused, or both unload the same adapter.
+        self._replica_locks: dict[str, asyncio.Lock] = {}
         self.outcomes: Counter[tuple[str, str]] = Counter()  # (adapter, loaded | failed)
+        self.unloads: Counter[tuple[str, str]] = Counter()  # (adapter, unloaded | failed)
 
     def spec(self, model: str | None) -> LoadableAdapter | None:
         """The loadable adapter `model` names, as vLLM spells it or as SGLang's BASE:ADAPTER."""
@@ -89,7 +108,7 @@ class AdapterLoader(Collector):
     async def _spread(self, spec: LoadableAdapter, route: str, features: RequestFeatures, prompt: object,
                       allowed: frozenset[str] | None, serving: list[Replica], now: float) -> None:
         others = [r for r in self.core.fleet.routable(spec.base, allowed, now)
-                  if r.has_room() and not r.serves(spec.name)]
+                  if r.has_room() and not r.serves(spec.name) and self._can_take(r, spec)]
         if not others:
             return
         ranking = self.core.plan(route, features, prompt if isinstance(prompt, str | list) else None,
@@ -117,6 +136,8 @@ class AdapterLoader(Collector):
     async def _choose(self, spec: LoadableAdapter, route: str, features: RequestFeatures, prompt: object,
                       allowed: frozenset[str] | None, now: float) -> None:
         candidates = [r for r in self.core.fleet.routable(spec.base, allowed, now) if r.has_room()]
+        # Where none can make room, the first choice's refusal says why.
+        candidates = [r for r in candidates if self._can_take(r, spec)] or candidates
         if not candidates:
             raise ClientError(503, f"no replica serving base model {spec.base!r} can load adapter {spec.name!r} now",
                               "adapter_load_failed", type_="service_unavailable", retry_after=5)
@@ -126,7 +147,15 @@ class AdapterLoader(Collector):
         await self._load_on(spec, replica)
 
     async def _load_on(self, spec: LoadableAdapter, replica: Replica) -> None:
-        problem = await self._ask(replica, spec)
+        async with self._lock_of(replica):
+            problem = await self._make_room(replica, spec) if self._full(replica) else None
+            if problem is None:
+                problem, full = await self._ask(replica, spec)
+                if full and self._victim(replica, spec) is not None:
+                    # A limit kvlb had not been told of: make room, and ask once more.
+                    problem = await self._make_room(replica, spec)
+                    if problem is None:
+                        problem, _ = await self._ask(replica, spec)
         if problem is not None:
             self.outcomes[(spec.name, "failed")] += 1
             log.warning("adapter %s: replica %s did not load it: %s", spec.name, replica.name, problem)
@@ -138,24 +167,86 @@ class AdapterLoader(Collector):
         replica.discovered_adapters = replica.discovered_adapters | {spec.name}
         self.core.fleet.refresh_adapters()
 
-    async def _ask(self, replica: Replica, spec: LoadableAdapter) -> str | None:
-        """None when the replica holds the adapter now; else what went wrong."""
+    async def _ask(self, replica: Replica, spec: LoadableAdapter) -> tuple[str | None, bool]:
+        """None when the replica holds the adapter now, else what went wrong; and whether
+        it refused because it holds as many adapters as it may."""
+        answer = await self._post(replica, self.settings.load_path, {"lora_name": spec.name, "lora_path": spec.path})
+        if isinstance(answer, str):
+            return answer, False
+        status, text = answer
+        if status == 200 or (status == 400 and ALREADY_LOADED in text):
+            return None, False
+        return f"HTTP {status}: {text[:ERROR_EXCERPT]}", status == 400 and REGISTRY_FULL in text
+
+    async def _post(self, replica: Replica, path: str, body: dict[str, str]) -> tuple[int, str] | str:
+        """The replica's status and the start of its answer, or what kept it from answering."""
         session = self._session()
         if session is None:
             return "kvlb is starting"
         headers = {"Authorization": self._authorization} if self._authorization else {}
         try:
             async with asyncio.timeout(self.settings.load_timeout_s):
-                async with session.post(replica.url + self.settings.load_path, headers=headers,
-                                        json={"lora_name": spec.name, "lora_path": spec.path}) as resp:
-                    text = (await resp.text(errors="replace"))[:ERROR_EXCERPT]
-                    if resp.status == 200 or (resp.status == 400 and ALREADY_LOADED in text):
-                        return None
-                    return f"HTTP {resp.status}: {text}"
+                async with session.post(replica.url + path, headers=headers, json=body) as resp:
+                    text = (await resp.content.read(MAX_ANSWER_CHARS)).decode("utf-8", "replace")
+                    return resp.status, text
         except TimeoutError:
             return f"no answer within adapters.load_timeout_s ({self.settings.load_timeout_s} s)"
         except (aiohttp.ClientError, OSError) as exc:
             return f"{exc.__class__.__name__}: {exc}"
+
+    def _full(self, replica: Replica) -> bool:
+        """It holds as many adapters as config or the engine says it may."""
+        most = replica.max_loaded_loras
+        return most is not None and len(replica.discovered_adapters | set(replica.settings.adapters)) >= most
+
+    def _can_take(self, replica: Replica, spec: LoadableAdapter) -> bool:
+        return not self._full(replica) or self._victim(replica, spec) is not None
+
+    def _victim(self, replica: Replica, spec: LoadableAdapter) -> str | None:
+        if not self.settings.unload_to_make_room:
+            return None
+        replicas = self.core.fleet.replicas
+        # Those config says it serves stay: kvlb would go on routing them there.
+        return unload_choice(replica.discovered_adapters.difference(replica.settings.adapters),
+                             self._loadable, {spec.name, *self._loading},
+                             replica.adapter_slots, lambda a: sum(1 for r in replicas if r.serves_adapter(a)))
+
+    async def _make_room(self, replica: Replica, spec: LoadableAdapter) -> str | None:
+        """Unload one adapter from a replica that holds its most; None once it has, else why not."""
+        victim = self._victim(replica, spec)
+        if victim is None:
+            return (f"it holds {replica.max_loaded_loras} adapters, its most, and none that kvlb may unload"
+                    " (each is in use, loading, or not among adapters.load_on_demand)"
+                    if self.settings.unload_to_make_room else
+                    f"it holds {replica.max_loaded_loras} adapters, its most (adapters.unload_to_make_room is off)")
+        # Not routed there from now on, so no request of kvlb's meets the unload.
+        replica.discovered_adapters = replica.discovered_adapters - {victim}
+        self.core.fleet.refresh_adapters()
+        answer = await self._post(replica, self._unload_path, {"lora_name": victim})
+        # A 404 says it was gone already, which is what was wanted.
+        if not isinstance(answer, str) and answer[0] in (200, 404):
+            self.unloads[(victim, "unloaded")] += 1
+            replica.adapter_slots.unloaded(victim)
+            log.info("adapter %s unloaded from replica %s to make room for %s", victim, replica.name, spec.name)
+            return None
+        self.unloads[(victim, "failed")] += 1
+        replica.discovered_adapters = replica.discovered_adapters | {victim}
+        self.core.fleet.refresh_adapters()
+        problem = answer if isinstance(answer, str) else f"HTTP {answer[0]}: {answer[1][:ERROR_EXCERPT]}"
+        log.warning("adapter %s: replica %s did not unload it: %s", victim, replica.name, problem)
+        return f"unloading {victim!r} to make room failed: {problem}"
+
+    def _lock_of(self, replica: Replica) -> asyncio.Lock:
+        locks = self._replica_locks
+        lock = locks.get(replica.name)
+        if lock is None:
+            if len(locks) > 2 * len(self.core.fleet.replicas):
+                # Replicas gone in a reload: their idle locks go too.
+                current = {r.name for r in self.core.fleet.replicas}
+                for name in [n for n, held in locks.items() if n not in current and not held.locked()]:
+                    del locks[name]
+            lock = locks[replica.name] = asyncio.Lock()
+        return lock
 
     def collect(self) -> Iterator[Metric]:
         loads = CounterMetricFamily("kvlb_adapter_loads", "LoRA adapters kvlb asked a replica to load on demand",
@@ -163,3 +254,9 @@ class AdapterLoader(Collector):
         for (adapter, outcome), count in list(self.outcomes.items()):
             loads.add_metric([adapter, outcome], count)
         yield loads
+        unloads = CounterMetricFamily(
+            "kvlb_adapter_unloads", "LoRA adapters kvlb asked a replica to unload, to make room for another",
+            labels=["adapter", "outcome"])
+        for (adapter, outcome), count in list(self.unloads.items()):
+            unloads.add_metric([adapter, outcome], count)
+        yield unloads

@@ -61,9 +61,14 @@ class ModelWatcher:
         # SGLang says how many adapters it batches at once only on /get_server_info.
         wants_slots = serves_adapters and replica.settings.max_loras is None and not replica.engine_max_loras
         wants_capacity = self.on_capacity is not None and replica.kv_capacity_tokens is None
-        if wants_slots or wants_capacity:
+        wants_registry_cap = (serves_adapters and replica.settings.max_loaded_loras is None
+                              and replica.engine_max_loaded_loras is None)
+        if wants_slots or wants_capacity or wants_registry_cap:
             info = await self._get_json(replica, "/get_server_info")
             if isinstance(info, dict):
+                # SGLang's --max-loaded-loras; an engine without it (vLLM) has no such limit.
+                registered = info.get("max_loaded_loras")
+                replica.engine_max_loaded_loras = registered if type(registered) is int and registered > 0 else 0
                 tokens = info.get("max_total_num_tokens", info.get("kv_capacity_tokens"))
                 if wants_capacity and isinstance(tokens, int) and tokens > 0:
                     assert self.on_capacity is not None

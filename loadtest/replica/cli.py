@@ -73,6 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-loras", type=int, default=1, help="adapters resident in GPU slots at once"
     )
     lora.add_argument(
+        "--max-loaded-loras", type=int, default=None,
+        help="SGLang's: adapters registered at once; a load beyond is refused until one is "
+        "unloaded (default: no limit)",
+    )  # fmt: skip
+    lora.add_argument(
         "--lora-load-ms", type=float, default=20.0,
         help="model milliseconds to load an adapter into a slot",
     )  # fmt: skip
@@ -159,6 +164,7 @@ def config_from_args(args: argparse.Namespace) -> ReplicaConfig:
         lora_modules=tuple(parse_lora_module(entry) for entry in args.lora_modules),
         max_loras=args.max_loras,
         lora_load_ms=args.lora_load_ms,
+        max_loaded_loras=args.max_loaded_loras,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating
         or runtime_lora_updating_from_env(),
         disaggregation_mode=args.disaggregation_mode,

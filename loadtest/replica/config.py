@@ -67,6 +67,9 @@ class ReplicaConfig:
     lora_modules: tuple[LoraModule, ...] = ()
     max_loras: int = 1  # adapters in GPU slots at once
     lora_load_ms: float = 20.0  # model milliseconds to load one into a slot
+    # SGLang's --max-loaded-loras: adapters registered at once; a load beyond is refused
+    # until one is unloaded. None: no limit (vLLM).
+    max_loaded_loras: int | None = None
     allow_runtime_lora_updating: bool = False  # mounts the load/unload routes
     # Prefill/decode disaggregation (disaggregation.py): SGLang's role flags, or vLLM's
     # connector config, which serves both of its roles on one server.
@@ -99,6 +102,11 @@ class ReplicaConfig:
             raise ValueError("max_loras must be at least 1")
         if self.lora_load_ms < 0:
             raise ValueError("lora_load_ms must not be negative")
+        if self.max_loaded_loras is not None:
+            if self.max_loaded_loras < self.max_loras:
+                raise ValueError("max_loaded_loras must be at least max_loras")
+            if len(self.lora_modules) > self.max_loaded_loras:
+                raise ValueError("The number of LoRA paths should not exceed max_loaded_loras.")
         names = [module.name for module in self.lora_modules]
         for name in names:
             if names.count(name) > 1:

@@ -255,6 +255,7 @@ class ReplicaServer:
             "kv_events_encoding": self.config.kv_events_encoding,
             "max_loras": engine_config.max_loras,
             "max_loras_per_batch": engine_config.max_loras,  # SGLang's name for it
+            "max_loaded_loras": self.config.max_loaded_loras,
             "disaggregation_mode": self.config.disaggregation_mode,
             "disaggregation_bootstrap_port": self.bootstrap_port,
             "kv_transfer_config": _kv_transfer_config(self.config),
@@ -384,6 +385,9 @@ class ReplicaServer:
             name, path = data.get("lora_name"), data.get("lora_path")
             if not name or not path or not isinstance(name, str) or not isinstance(path, str):
                 raise _invalid_lora("Both 'lora_name' and 'lora_path' must be provided.")
+            cap = self.config.max_loaded_loras
+            if cap is not None and name not in self.lora and len(self.lora) >= cap:
+                return _registry_full(request.path, name, path, cap)
             try:
                 self.lora.register(name, path)
             except ValueError as error:
@@ -447,6 +451,18 @@ def tokenize_words(data: dict[str, Any]) -> list[str]:
 def _kv_transfer_config(config: ReplicaConfig) -> dict[str, str] | None:
     kv = config.kv_transfer_config
     return None if kv is None else {"kv_connector": kv.kv_connector, "kv_role": kv.kv_role}
+
+
+def _registry_full(route: str, name: str, path: str, cap: int) -> web.Response:
+    """SGLang's refusal of a load past `--max-loaded-loras`: its message, in its own answer
+    shape on its route, in vLLM's error shape on vLLM's."""
+    message = (
+        f"Cannot load LoRA adapter {name} at path {path}. Maximum number of loaded LoRA "
+        f"adapters is {cap}. Please unload some LoRA adapters before loading new ones."
+    )
+    if route.startswith("/v1/"):
+        return error_response(_invalid_lora(message))
+    return _json({"success": False, "error_message": message, "loaded_adapters": None}, 400)
 
 
 def _invalid_lora(message: str) -> ApiError:

@@ -572,3 +572,36 @@ async def test_stored_events_in_arrays_put_the_name_after_the_medium(http):
             _, (event,), _ = msgpack.unpackb(payload, raw=False)
             assert event[0] == "BlockStored" and event[2:5] == [None, token_ids(prompt.split()), 16]
             assert event[5:] == tail
+
+
+async def test_loads_past_max_loaded_loras_are_refused_as_sglang_refuses_them(http):
+    config = lora_config(allow_runtime_lora_updating=True, max_loaded_loras=3)
+    async with running_replica(config) as server:
+        async with http.get(server.url + "/get_server_info") as response:
+            assert (await response.json())["max_loaded_loras"] == 3
+        load, unload = server.url + "/load_lora_adapter", server.url + "/unload_lora_adapter"
+        assert (await post(http, load, {"lora_name": "c", "lora_path": "/adapters/c"}))[0] == 200
+        message = (
+            "Cannot load LoRA adapter d at path /adapters/d. Maximum number of loaded LoRA "
+            "adapters is 3. Please unload some LoRA adapters before loading new ones."
+        )
+        status, answer = await post(http, load, {"lora_name": "d", "lora_path": "/adapters/d"})
+        assert (status, answer) == (
+            400, {"success": False, "error_message": message, "loaded_adapters": None}
+        )  # fmt: skip
+        status, answer = await post(
+            http, server.url + "/v1/load_lora_adapter", {"lora_name": "d", "lora_path": "/adapters/d"}
+        )
+        assert status == 400 and answer["error"]["message"] == message
+        assert (await post(http, unload, {"lora_name": "a"}))[0] == 200
+        assert (await post(http, load, {"lora_name": "d", "lora_path": "/adapters/d"}))[0] == 200
+        async with http.get(server.url + "/v1/models") as response:
+            cards = (await response.json())["data"]
+        assert [card["id"] for card in cards[1:]] == ["b", "c", "d"]
+
+
+def test_max_loaded_loras_holds_the_slots_and_the_startup_adapters():
+    with pytest.raises(ValueError, match="at least max_loras"):
+        lora_config(max_loras=4, max_loaded_loras=3)
+    with pytest.raises(ValueError, match="should not exceed max_loaded_loras"):
+        lora_config(max_loaded_loras=1)  # two adapters at start

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from balancer.config import ReplicaSettings, RoutingSettings
-from balancer.routing.adapters import AdapterDemand, AdapterSlots
+from balancer.routing.adapters import AdapterDemand, AdapterSlots, unload_choice
 from balancer.routing.admission import AdmissionQueue
 from balancer.routing.core import CoreSettings, RoutingCore
 from balancer.routing.fleet import Fleet
@@ -35,6 +35,33 @@ def test_slots_evict_the_least_recently_used_idle_adapter_as_the_engine_does():
     assert slots.resident() == ["a", "d"] and slots.all_busy()
     slots.forget()
     assert slots.resident() == [] and slots.victim() is None
+
+
+def test_room_is_made_by_unloading_the_least_missed_adapter_kvlb_can_load_again():
+    demand = AdapterDemand()
+    slots = AdapterSlots(1, 500.0, demand)
+    for adapter in ["hot"] * 20 + ["warm"] * 3 + ["cold", "rare"]:
+        slots.started(adapter)
+        slots.ended(adapter)
+    holders = {"hot": 1, "warm": 1, "cold": 1, "rare": 3}.get
+    everything = {"hot", "warm", "cold", "rare", "theirs"}
+
+    def choice(registered: set[str], spared: set[str] = frozenset()) -> str | None:
+        return unload_choice(registered, everything - {"theirs"}, spared, slots, lambda a: holders(a, 1))
+
+    # rare has two other copies; cold none, but it is asked for as rarely, and not in a slot.
+    assert choice({"hot", "warm", "cold", "rare"}) == "rare"
+    assert choice({"hot", "warm", "cold"}) == "cold"
+    assert choice({"hot", "warm"}) == "warm"
+    # Not one kvlb could load again, nor one loading, nor one a request of kvlb's runs on.
+    assert choice({"hot", "theirs"}) == "hot"
+    assert choice({"hot", "warm"}, spared={"warm"}) == "hot"
+    slots.started("hot")
+    assert choice({"hot", "theirs"}) is None
+    slots.ended("hot")
+    # Unloaded: out of the slots too.
+    slots.unloaded("hot")
+    assert not slots.holds("hot") and slots.resident() == []
 
 
 def test_evicting_costs_a_load_for_a_sought_after_adapter_with_no_other_copy():

@@ -279,3 +279,90 @@ async def test_the_engine_says_how_many_adapters_it_holds_and_which_run() -> Non
                     assert await load_priced("sum") == 0
                 finally:
                     beside.cancel()
+
+
+async def listed_adapters(http: aiohttp.ClientSession, replica_url: str) -> set[str]:
+    async with http.get(replica_url + "/v1/models") as resp:
+        return {card["id"] for card in (await resp.json())["data"] if card.get("parent")}
+
+
+async def unloads(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    line = "kvlb_adapter_unloads_total{"
+    counted = {}
+    for row in text.splitlines():
+        if row.startswith(line):
+            labels, _, value = row.partition("} ")
+            counted[labels[len(line):]] = float(value)
+    return counted
+
+
+def sglang_registry(limit: int, *modules: str, time_scale: float = 20) -> list[str]:
+    """A replica that keeps at most `limit` adapters registered, as SGLang's --max-loaded-loras."""
+    args = ["--model", BASE, "--enable-lora", "--allow-runtime-lora-updating", "--max-loras", "1",
+            "--max-loaded-loras", str(limit), "--time-scale", str(time_scale)]
+    return args + (["--lora-modules", *modules] if modules else [])
+
+
+LOADABLE = [{"name": name, "path": f"/adapters/{name}", "base": BASE} for name in ("sql", "chat", "sum")]
+
+
+async def test_a_replica_refusing_past_its_most_adapters_unloads_the_coldest_first() -> None:
+    # Config gives the KV capacity and the replica starts with no adapter, so kvlb never asks
+    # its /get_server_info and does not know its limit: the refusal says it.
+    with ExitStack() as processes:
+        replica = processes.enter_context(ReplicaProcess(sglang_registry(2)))
+        async with AsyncExitStack() as stack:
+            settings = make_settings([{"url": replica.url, "name": "r0", "kv_capacity_tokens": 100000}],
+                                     adapters={"load_on_demand": LOADABLE, "load_path": "/load_lora_adapter"})
+            running = await stack.enter_async_context(run_balancer(settings))
+            async with aiohttp.ClientSession() as http:
+                for model in ("sql", "chat", "chat"):
+                    assert (await complete(http, running.url, model))[0] == 200
+                # Full: sql, asked for once and longest ago, makes room for sum.
+                status, headers, body = await complete(http, running.url, "sum")
+                assert status == 200 and headers["x-kvlb-replica"] == "r0", body
+                assert await listed_adapters(http, replica.url) == {"chat", "sum"}
+                assert await unloads(http, running.url) == {'adapter="sql",outcome="unloaded"': 1.0}
+                assert running.balancer.fleet.by_name["r0"].max_loaded_loras is None
+                # And back: sql is loaded again, in place of the colder of the other two.
+                assert (await complete(http, running.url, "sql"))[0] == 200
+                assert "sql" in await listed_adapters(http, replica.url)
+                assert len(await listed_adapters(http, replica.url)) == 2
+
+
+async def test_an_adapter_in_use_is_not_unloaded_to_make_room() -> None:
+    # Started with sql and chat registered, so kvlb reads the limit of 2 from the engine and
+    # makes room before it asks; chat streams meanwhile and must finish.
+    with ExitStack() as processes:
+        replica = processes.enter_context(ReplicaProcess(
+            sglang_registry(2, "sql=/adapters/sql", "chat=/adapters/chat", time_scale=1)))
+        async with AsyncExitStack() as stack:
+            settings = make_settings([{"url": replica.url, "name": "r0"}],
+                                     adapters={"load_on_demand": LOADABLE, "load_path": "/load_lora_adapter"})
+            running = await stack.enter_async_context(run_balancer(settings))
+            assert running.balancer.fleet.by_name["r0"].max_loaded_loras == 2
+            async with aiohttp.ClientSession() as http:
+                assert (await complete(http, running.url, "sql"))[0] == 200
+
+                async def stream_chat() -> tuple[int, int]:
+                    body = {"model": "chat", "prompt": "write at length", "max_tokens": 200, "stream": True}
+                    async with http.post(running.url + "/v1/completions", json=body) as resp:
+                        chunks = [line async for line in resp.content if line.startswith(b"data: {")]
+                        return resp.status, len(chunks)
+
+                streaming = asyncio.create_task(stream_chat())
+                await asyncio.sleep(0.2)  # chat is running on r0 now (200 tokens take over a second)
+                assert not streaming.done()
+                status, _, body = await complete(http, running.url, "sum")
+                assert status == 200, body
+                assert await streaming == (200, 200)
+                assert await listed_adapters(http, replica.url) == {"chat", "sum"}
+                # Neither may go while both are in use or not kvlb's to load: a clear 503.
+                only_theirs = make_settings([{"url": replica.url, "name": "r0", "adapters": ["chat", "sum"]}],
+                                            adapters={"load_on_demand": LOADABLE[:1], "load_path": "/load_lora_adapter"})
+                theirs = await stack.enter_async_context(run_balancer(only_theirs))
+                status, headers, body = await complete(http, theirs.url, "sql")
+                assert status == 503 and body["error"]["code"] == "adapter_load_failed", body
+                assert "its most" in body["error"]["message"] and int(headers["Retry-After"]) >= 1
