@@ -26,6 +26,7 @@ class Replica:
         "remote_in_flight", "remote_prefill_tokens_queued", "remote_decoding", "remote_context_tokens",
         "context_tokens", "latency", "decode_latency", "ttft_terms_fit", "itl_terms_fit", "prefill_ms_started",
         "adapter_slots", "discovered_adapters", "engine_max_loras", "engine_max_loaded_loras",
+        "adapters_changed",
     )
 
     def __init__(self, settings: ReplicaSettings, breaker: BreakerSettings | None = None,
@@ -77,6 +78,9 @@ class Replica:
         # How many adapters the engine keeps registered at once (SGLang's max_loaded_loras
         # on /get_server_info): 0 once it has answered without one, None until it answers.
         self.engine_max_loaded_loras: int | None = None
+        # Counts kvlb's own loads and unloads here: a listing asked for before one of them
+        # is older than what kvlb knows, and discovery leaves it.
+        self.adapters_changed = 0
 
     @property
     def ttft_scale(self) -> float:
@@ -118,6 +122,19 @@ class Replica:
 
     def serves_adapter(self, adapter: str) -> bool:
         return adapter in self.settings.adapters or adapter in self.discovered_adapters
+
+    def adapter_loaded(self, adapter: str) -> None:
+        """kvlb had it load `adapter`: routable here at once (its listing says so later)."""
+        self.discovered_adapters = self.discovered_adapters | {adapter}
+        self.adapters_changed += 1
+
+    def adapter_unloaded(self, adapter: str) -> None:
+        """kvlb is having it unload `adapter`: not routed here from now on, though its last
+        listing named it."""
+        self.discovered_adapters = self.discovered_adapters - {adapter}
+        if self.discovered_models is not None:
+            self.discovered_models = self.discovered_models - {adapter}
+        self.adapters_changed += 1
 
     @property
     def max_loaded_loras(self) -> int | None:

@@ -163,8 +163,7 @@ class AdapterLoader(Collector):
                               "adapter_load_failed", type_="service_unavailable", retry_after=5)
         self.outcomes[(spec.name, "loaded")] += 1
         log.info("adapter %s loaded on replica %s", spec.name, replica.name)
-        # Routable at once; discovery reads the same from the replica's listing later.
-        replica.discovered_adapters = replica.discovered_adapters | {spec.name}
+        replica.adapter_loaded(spec.name)
         self.core.fleet.refresh_adapters()
 
     async def _ask(self, replica: Replica, spec: LoadableAdapter) -> tuple[str | None, bool]:
@@ -220,7 +219,7 @@ class AdapterLoader(Collector):
                     if self.settings.unload_to_make_room else
                     f"it holds {replica.max_loaded_loras} adapters, its most (adapters.unload_to_make_room is off)")
         # Not routed there from now on, so no request of kvlb's meets the unload.
-        replica.discovered_adapters = replica.discovered_adapters - {victim}
+        replica.adapter_unloaded(victim)
         self.core.fleet.refresh_adapters()
         answer = await self._post(replica, self._unload_path, {"lora_name": victim})
         # A 404 says it was gone already, which is what was wanted.
@@ -230,7 +229,10 @@ class AdapterLoader(Collector):
             log.info("adapter %s unloaded from replica %s to make room for %s", victim, replica.name, spec.name)
             return None
         self.unloads[(victim, "failed")] += 1
-        replica.discovered_adapters = replica.discovered_adapters | {victim}
+        # Still there, as far as kvlb can tell; its next listing says for sure.
+        replica.adapter_loaded(victim)
+        if replica.discovered_models is not None:
+            replica.discovered_models = replica.discovered_models | {victim}
         self.core.fleet.refresh_adapters()
         problem = answer if isinstance(answer, str) else f"HTTP {answer[0]}: {answer[1][:ERROR_EXCERPT]}"
         log.warning("adapter %s: replica %s did not unload it: %s", victim, replica.name, problem)

@@ -131,10 +131,13 @@ class ModelWatcher:
         return {name: _unescape(value) for name, value in _LABEL.findall(text)}
 
     async def _refresh_models(self, replica: Replica) -> None:
+        changed = replica.adapters_changed
         payload = await self._get_json(replica, "/v1/models")
         data = payload.get("data") if isinstance(payload, dict) else None
         if not isinstance(data, list):
             return
+        if replica.adapters_changed != changed:
+            return  # kvlb loaded or unloaded an adapter there meanwhile: this listing is older
         cards = tuple(
             card for card in data[:MAX_MODELS_PER_REPLICA]
             if isinstance(card, dict) and isinstance(card.get("id"), str)

@@ -359,10 +359,18 @@ async def test_an_adapter_in_use_is_not_unloaded_to_make_room() -> None:
                 assert status == 200, body
                 assert await streaming == (200, 200)
                 assert await listed_adapters(http, replica.url) == {"chat", "sum"}
-                # Neither may go while both are in use or not kvlb's to load: a clear 503.
-                only_theirs = make_settings([{"url": replica.url, "name": "r0", "adapters": ["chat", "sum"]}],
-                                            adapters={"load_on_demand": LOADABLE[:1], "load_path": "/load_lora_adapter"})
+                # sql was listed when kvlb started, and is not served there now: it is loaded
+                # again, in place of an idle one, not sent to a replica that would refuse it.
+                status, _, body = await complete(http, running.url, "sql")
+                assert status == 200, body
+                assert "sql" in await listed_adapters(http, replica.url)
+                assert sum((await unloads(http, running.url)).values()) == 2
+                # None may go when config lists all it holds on it: a clear 503.
+                held = sorted(await listed_adapters(http, replica.url))
+                extra = [{"name": "extra", "path": "/adapters/extra", "base": BASE}]
+                only_theirs = make_settings([{"url": replica.url, "name": "r0", "adapters": held}],
+                                            adapters={"load_on_demand": extra, "load_path": "/load_lora_adapter"})
                 theirs = await stack.enter_async_context(run_balancer(only_theirs))
-                status, headers, body = await complete(http, theirs.url, "sql")
+                status, headers, body = await complete(http, theirs.url, "extra")
                 assert status == 503 and body["error"]["code"] == "adapter_load_failed", body
                 assert "its most" in body["error"]["message"] and int(headers["Retry-After"]) >= 1

@@ -63,3 +63,47 @@ async def test_a_page_without_the_gauge_or_past_the_bound_changes_nothing() -> N
     late = filler + 'vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql",waiting_lora_adapters=""} 1.0\n'
     slots = (await discovered(late)).replicas[0].adapter_slots
     assert slots.capacity == 1 and slots.resident() == []
+
+
+async def test_a_listing_asked_for_before_kvlb_unloaded_an_adapter_does_not_bring_it_back() -> None:
+    unload_meanwhile: list[Fleet] = []
+
+    async def models(request: web.Request) -> web.Response:
+        for fleet in unload_meanwhile:  # kvlb unloads sql while this answer is on its way
+            fleet.replicas[0].adapter_unloaded("sql")
+        return web.json_response(MODELS)
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    async with serve_app(app) as url, aiohttp.ClientSession() as session:
+        fleet = Fleet([ReplicaSettings(url=url, name="r0")])
+        watcher = ModelWatcher(fleet, ModelDiscoverySettings(), session)
+        replica = fleet.replicas[0]
+        await watcher.refresh_once()
+        assert replica.serves("sql")
+        unload_meanwhile.append(fleet)
+        await watcher.refresh_once()
+        assert not replica.serves("sql") and not replica.serves_adapter("sql")
+        assert replica.serves_adapter('odd"name')
+        # The next listing, asked for after, is believed.
+        unload_meanwhile.clear()
+        await watcher.refresh_once()
+        assert replica.serves("sql") and replica.serves_adapter("sql")
+
+
+async def test_the_engine_says_how_many_adapters_it_keeps_registered() -> None:
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response(MODELS)
+
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response({"max_loaded_loras": 4, "max_loras_per_batch": 2})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/get_server_info", info)
+    async with serve_app(app) as url, aiohttp.ClientSession() as session:
+        fleet = Fleet([ReplicaSettings(url=url, name="r0"), ReplicaSettings(url=url, name="r1", max_loaded_loras=9)])
+        await ModelWatcher(fleet, ModelDiscoverySettings(), session).refresh_once()
+        assert [r.max_loaded_loras for r in fleet.replicas] == [4, 9]
+    # vLLM has no /get_server_info, and no such limit.
+    assert (await discovered("")).replicas[0].max_loaded_loras is None
