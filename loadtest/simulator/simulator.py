@@ -282,14 +282,21 @@ class Simulator:
 
     def run(self, requests: Iterable[WorkRequest], progress: Callable[[int], None] | None = None) -> SimulationResult:
         pending = sorted(requests, key=lambda r: (r.arrival_s, r.index))
-        adapters = frozenset(r.adapter for r in pending if r.adapter is not None)
-        if adapters and self._lora_replicas:
-            # Replicas with adapter slots serve every adapter the workload names, and say so
-            # as engines do: in their model listing, with a parent.
+        # Each adapter the workload names, with the base model its requests name (None: any).
+        bases: dict[str, set[str | None]] = {}
+        for r in pending:
+            if r.adapter is not None:
+                bases.setdefault(r.adapter, set()).add(r.model)
+        if bases and self._lora_replicas:
+            # Replicas with adapter slots serve every adapter of the model they serve (an
+            # adapter whose requests name no model, every one), and say so as engines do: in
+            # their model listing, with a parent.
             for replica in self._lora_replicas:
-                replica.discovered_adapters = adapters
+                served = sorted(adapter for adapter, models in bases.items()
+                                if None in models or replica.declared_model in models)
+                replica.discovered_adapters = frozenset(served)
                 replica.model_cards = tuple({"id": adapter, "object": "model", "parent": replica.declared_model}
-                                            for adapter in sorted(adapters))
+                                            for adapter in served)
             self.fleet.refresh_adapters()
         events = self._events
         handlers = {

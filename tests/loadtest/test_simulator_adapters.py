@@ -40,3 +40,23 @@ def test_every_request_names_its_adapter_and_only_adapter_replicas_serve_it():
     sim = Simulator(uniform_fleet(2), PolicySettings("predictive", {}, 0))  # no slots: no adapters
     result = sim.run(workload.requests[:5])
     assert all(r.status == 404 for r in result.records), [r.status for r in result.records]
+
+
+def test_two_base_models_each_serve_their_own_adapters():
+    from loadtest.simulator.fleetspec import parse_fleet
+
+    fleet = parse_fleet({"groups": [
+        {"count": 2, "model": "big", "profile": "llama-3.1-70b-h100-tp4", "max_loras": 2, "lora_load_ms": 200},
+        {"count": 2, "model": "small", "max_loras": 2, "lora_load_ms": 200},
+    ]})
+    workload = load_workload("lora,model=big,prefix=big-,adapters=4,requests=60,rate=4;"
+                             "lora,model=small,prefix=small-,adapters=4,requests=60,rate=4")
+    sim = Simulator(fleet, PolicySettings("predictive", {}, 0))
+    result = sim.run(workload.requests)
+    assert [r.status for r in result.records] == [200] * 120
+    served_by = {r.name: r.declared_model for r in sim.fleet.replicas}
+    adapter_of = {r.index: r.adapter for r in workload.requests}
+    for record in result.records:
+        assert adapter_of[record.index].startswith(served_by[record.replica] + "-"), record
+    # Each adapter is listed under its own base model only.
+    assert sim.fleet.base_of("big-0") == "big" and sim.fleet.base_of("small-3") == "small"
