@@ -179,6 +179,7 @@ class Proxy:
         loop = asyncio.get_running_loop()
         retry_after: float | None = None
         outcome.attempts = journey.attempts
+        gone: list[str] = []
         trace = outcome.trace
         if trace is not None:
             # Each attempt carries its own span's context in place of the client's.
@@ -200,6 +201,13 @@ class Proxy:
                     self._failed(journey, kind, loop.time())
                     continue
                 attempt = f"http_{resp.status}"
+                if resp.status == 404 and self._adapter_gone(journey, replica):
+                    # Unloaded since kvlb last read its listing (by a peer instance making
+                    # room, an operator): the replicas that still hold it take the request.
+                    gone.append(replica.name)
+                    failures.append(f"{replica.name}: HTTP 404 (adapter {journey.features.adapter!r} gone)")
+                    self.metrics.count_attempt(replica.name, "adapter_gone")
+                    continue
                 if resp.status in RETRY_STATUSES:
                     failures.append(f"{replica.name}: HTTP {resp.status}")
                     wait = _retry_after_seconds(resp.header("Retry-After"))
@@ -234,6 +242,11 @@ class Proxy:
                 core.end_attempt(journey, answered=answered)
                 if trace is not None:
                     trace.attempt_ended(attempt)
+        if gone and len(gone) == len(failures):
+            raise ClientError(
+                503, f"adapter {journey.features.adapter!r} is no longer loaded on {', '.join(gone)}; "
+                "kvlb routes it elsewhere from now on", "adapter_not_loaded",
+                type_="service_unavailable", retry_after=1)
         raise ClientError(
             502,
             f"all {len(failures)} attempt(s) failed: " + "; ".join(failures),
@@ -250,6 +263,17 @@ class Proxy:
             headers = [(n, v) for n, v in headers if n.lower() != "authorization"]
             headers.append(("Authorization", self.replica_authorization))
         return headers
+
+    def _adapter_gone(self, journey: Journey, replica: Replica) -> bool:
+        """The replica answered 404 to a request for an adapter that kvlb knows it serves
+        only from its listing: it no longer holds it, and is not routed it again until a
+        listing names it (config's adapters are taken at their word)."""
+        adapter = journey.features.adapter
+        if adapter is None or adapter in replica.settings.adapters or not replica.serves_adapter(adapter):
+            return False
+        replica.adapter_unloaded(adapter)
+        self.core.fleet.refresh_adapters()
+        return True
 
     def _failed(self, journey: Journey, kind: str, now: float) -> None:
         replica = journey.replica

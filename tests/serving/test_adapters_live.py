@@ -374,3 +374,39 @@ async def test_an_adapter_in_use_is_not_unloaded_to_make_room() -> None:
                 status, headers, body = await complete(http, theirs.url, "extra")
                 assert status == 503 and body["error"]["code"] == "adapter_load_failed", body
                 assert "its most" in body["error"]["message"] and int(headers["Retry-After"]) >= 1
+
+
+async def test_an_adapter_unloaded_behind_kvlbs_back_is_retried_where_it_still_is() -> None:
+    # A peer instance, or an operator, unloads sql from the replica that holds its prompt:
+    # kvlb, which last read that replica's listing before, is told 404 there and goes on.
+    args = ["--model", BASE, "--enable-lora", "--allow-runtime-lora-updating", "--lora-modules", "sql=/adapters/sql",
+            "--max-loras", "1", "--time-scale", "20"]
+    with ExitStack() as processes:
+        replicas = [processes.enter_context(ReplicaProcess(args)) for _ in range(2)]
+        async with AsyncExitStack() as stack:
+            settings = make_settings([{"url": r.url, "name": f"r{i}"} for i, r in enumerate(replicas)],
+                                     policy={"name": "predictive", "seed": 0})
+            running = await stack.enter_async_context(run_balancer(settings))
+            async with aiohttp.ClientSession() as http:
+                status, headers, _ = await complete(http, running.url, "sql")
+                assert status == 200
+                first = int(headers["x-kvlb-replica"][1:])
+                async with http.post(replicas[first].url + "/v1/unload_lora_adapter", json={"lora_name": "sql"}) as resp:
+                    assert resp.status == 200
+                # The same prompt ranks the replica holding it first; it answers 404, the other 200.
+                status, headers, body = await complete(http, running.url, "sql")
+                assert status == 200, body
+                assert headers["x-kvlb-replica"] == f"r{1 - first}"
+                async with http.get(running.url + "/metrics") as resp:
+                    metrics = await resp.text()
+                assert f'kvlb_upstream_attempts_total{{outcome="adapter_gone",replica="r{first}"}} 1.0' in metrics
+                # Unloaded on the other too: a clear 503 that says to come back, then a 404 of
+                # kvlb's own, since no replica serves it any more.
+                async with http.post(replicas[1 - first].url + "/v1/unload_lora_adapter",
+                                     json={"lora_name": "sql"}) as resp:
+                    assert resp.status == 200
+                status, headers, body = await complete(http, running.url, "sql")
+                assert status == 503 and body["error"]["code"] == "adapter_not_loaded", body
+                assert headers["Retry-After"] == "1"
+                status, _, body = await complete(http, running.url, "sql")
+                assert status == 404 and body["error"]["code"] == "model_not_found", body
