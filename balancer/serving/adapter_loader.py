@@ -151,7 +151,7 @@ class AdapterLoader(Collector):
             problem = await self._make_room(replica, spec) if self._full(replica) else None
             if problem is None:
                 problem, full = await self._ask(replica, spec)
-                if full and self._victim(replica, spec) is not None:
+                if full and any(True for _ in self._unloadable(replica, spec)):
                     # A limit kvlb had not been told of: make room, and ask once more.
                     problem = await self._make_room(replica, spec)
                     if problem is None:
@@ -196,19 +196,38 @@ class AdapterLoader(Collector):
     def _full(self, replica: Replica) -> bool:
         """It holds as many adapters as config or the engine says it may."""
         most = replica.max_loaded_loras
-        return most is not None and len(replica.discovered_adapters | set(replica.settings.adapters)) >= most
+        if most is None:
+            return False
+        listed, configured = replica.discovered_adapters, replica.settings.adapters
+        held = len(listed) if not configured else len(listed.union(configured))
+        return held >= most
 
     def _can_take(self, replica: Replica, spec: LoadableAdapter) -> bool:
-        return not self._full(replica) or self._victim(replica, spec) is not None
+        """It could load `spec` now, after an unload if it must. Asked of every replica of the
+        base model for each request of a loadable adapter, so it only looks for an adapter
+        that may go, without pricing them."""
+        return not self._full(replica) or any(True for _ in self._unloadable(replica, spec))
+
+    def _unloadable(self, replica: Replica, spec: LoadableAdapter) -> Iterator[str]:
+        """What `unload_choice` may choose from: those config says it serves stay (kvlb would
+        go on routing them there), and so do loads under way and adapters in use."""
+        if not self.settings.unload_to_make_room:
+            return
+        configured, loadable, loading = replica.settings.adapters, self._loadable, self._loading
+        running = replica.adapter_slots.running
+        for adapter in replica.discovered_adapters:
+            if (adapter in loadable and adapter != spec.name and adapter not in loading
+                    and adapter not in configured and not running(adapter)):
+                yield adapter
 
     def _victim(self, replica: Replica, spec: LoadableAdapter) -> str | None:
-        if not self.settings.unload_to_make_room:
+        candidates = list(self._unloadable(replica, spec))
+        if not candidates:
             return None
-        replicas = self.core.fleet.replicas
-        # Those config says it serves stay: kvlb would go on routing them there.
-        return unload_choice(replica.discovered_adapters.difference(replica.settings.adapters),
-                             self._loadable, {spec.name, *self._loading},
-                             replica.adapter_slots, lambda a: sum(1 for r in replicas if r.serves_adapter(a)))
+        holders: Counter[str] = Counter()
+        for other in self.core.fleet.replicas:
+            holders.update(other.discovered_adapters.union(other.settings.adapters))
+        return unload_choice(candidates, self._loadable, (), replica.adapter_slots, holders.__getitem__)
 
     async def _make_room(self, replica: Replica, spec: LoadableAdapter) -> str | None:
         """Unload one adapter from a replica that holds its most; None once it has, else why not."""
