@@ -129,8 +129,9 @@ class Replica:
         self.adapters_changed += 1
 
     def adapter_unloaded(self, adapter: str) -> None:
-        """kvlb is having it unload `adapter`: not routed here from now on, though its last
-        listing named it."""
+        """It no longer holds `adapter` (kvlb is having it unloaded, or it answered 404 for
+        it): not routed here from now on, though its last listing named it. A listing asked
+        for later that names it again is believed; a wrong 404 heals at the next one."""
         self.discovered_adapters = self.discovered_adapters - {adapter}
         if self.discovered_models is not None:
             self.discovered_models = self.discovered_models - {adapter}
