@@ -20,7 +20,7 @@ Sans I/O and clock; bounded by the slots and by `MAX_ADAPTERS`.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 # Per adapter request anywhere in the fleet: the weight of earlier ones in an adapter's
 # demand. About the last 1 / (1 - FADE) requests count.
@@ -205,19 +205,26 @@ class AdapterSlots:
         self._resident.clear()
 
 
-def unload_choice(registered: Iterable[str], reloadable: Collection[str], spared: Collection[str],
-                  slots: AdapterSlots, holders: Callable[[str], int]) -> str | None:
-    """Which adapter a replica holding as many as it may should unload to make room: one kvlb
-    can load again (`reloadable`), not `spared` (loads under way), with no request of kvlb's
-    running on it there, whose next request is least likely to find no other copy (its demand
-    over the replicas serving it, this one included); among equals, the least recently used
-    there, an adapter out of its GPU slots first. None when none may go."""
+def unloadable(registered: Iterable[str], reloadable: Collection[str], spared: Collection[str],
+               slots: AdapterSlots) -> Iterator[str]:
+    """What a replica holding as many adapters as it may could unload to make room: those
+    kvlb can load again (`reloadable`), not `spared` (loads under way), with no request of
+    kvlb's running on them there."""
+    running = slots.running
+    for adapter in registered:
+        if adapter in reloadable and adapter not in spared and not running(adapter):
+            yield adapter
+
+
+def unload_choice(candidates: Iterable[str], slots: AdapterSlots, holders: Callable[[str], int]) -> str | None:
+    """Which of `candidates` (from `unloadable`) to unload: the one whose next request is
+    least likely to find no other copy (its demand over the replicas serving it, this one
+    included); among equals, the least recently used there, an adapter out of its GPU slots
+    first. None when there is none."""
     recency = {adapter: rank for rank, adapter in enumerate(slots.resident())}
     share = slots.demand.share
     best: tuple[float, int, str] | None = None
-    for adapter in registered:
-        if adapter not in reloadable or adapter in spared or slots.running(adapter):
-            continue
+    for adapter in candidates:
         cost = min(1.0, share(adapter) / SURE_SHARE) / max(holders(adapter), 1)
         key = (cost, recency.get(adapter, -1), adapter)
         if best is None or key < best:

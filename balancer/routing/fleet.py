@@ -124,8 +124,11 @@ class Replica:
         return adapter in self.settings.adapters or adapter in self.discovered_adapters
 
     def adapter_loaded(self, adapter: str) -> None:
-        """kvlb had it load `adapter`: routable here at once (its listing says so later)."""
+        """It holds `adapter` now (kvlb had it loaded): routable here at once, as its next
+        listing will say."""
         self.discovered_adapters = self.discovered_adapters | {adapter}
+        if self.discovered_models is not None:
+            self.discovered_models = self.discovered_models | {adapter}
         self.adapters_changed += 1
 
     def adapter_unloaded(self, adapter: str) -> None:

@@ -119,7 +119,6 @@ class TermFit:
         before = sum(r * zi for r, zi in zip(self.shape, z, strict=True))
         if before > 0:
             target = min(before * CLIP, max(before / CLIP, target))
-        if target > 0 and before > 0:
             self.error = self.error * FORGET + math.log(target / before) ** 2 * (1 - FORGET)
         gram, moment = self._gram, self._moment
         for i in range(n):

@@ -34,7 +34,7 @@ from prometheus_client.registry import Collector
 
 from balancer.config import AdapterSettings, LoadableAdapter
 from balancer.errors import ClientError
-from balancer.routing.adapters import unload_choice
+from balancer.routing.adapters import unload_choice, unloadable
 from balancer.routing.core import RoutingCore
 from balancer.routing.fleet import Replica
 from policies.base import RequestFeatures
@@ -151,7 +151,7 @@ class AdapterLoader(Collector):
             problem = await self._make_room(replica, spec) if self._full(replica) else None
             if problem is None:
                 problem, full = await self._ask(replica, spec)
-                if full and any(True for _ in self._unloadable(replica, spec)):
+                if full and self._may_unload(replica, spec):
                     # A limit kvlb had not been told of: make room, and ask once more.
                     problem = await self._make_room(replica, spec)
                     if problem is None:
@@ -206,19 +206,17 @@ class AdapterLoader(Collector):
         """It could load `spec` now, after an unload if it must. Asked of every replica of the
         base model for each request of a loadable adapter, so it only looks for an adapter
         that may go, without pricing them."""
-        return not self._full(replica) or any(True for _ in self._unloadable(replica, spec))
+        return not self._full(replica) or self._may_unload(replica, spec)
+
+    def _may_unload(self, replica: Replica, spec: LoadableAdapter) -> bool:
+        return next(self._unloadable(replica, spec), None) is not None
 
     def _unloadable(self, replica: Replica, spec: LoadableAdapter) -> Iterator[str]:
-        """What `unload_choice` may choose from: those config says it serves stay (kvlb would
-        go on routing them there), and so do loads under way and adapters in use."""
         if not self.settings.unload_to_make_room:
-            return
-        configured, loadable, loading = replica.settings.adapters, self._loadable, self._loading
-        running = replica.adapter_slots.running
-        for adapter in replica.discovered_adapters:
-            if (adapter in loadable and adapter != spec.name and adapter not in loading
-                    and adapter not in configured and not running(adapter)):
-                yield adapter
+            return iter(())
+        # Those config says it serves stay: kvlb would go on routing them there.
+        listed = (a for a in replica.discovered_adapters if a not in replica.settings.adapters)
+        return unloadable(listed, self._loadable, (spec.name, *self._loading), replica.adapter_slots)
 
     def _victim(self, replica: Replica, spec: LoadableAdapter) -> str | None:
         candidates = list(self._unloadable(replica, spec))
@@ -227,7 +225,7 @@ class AdapterLoader(Collector):
         holders: Counter[str] = Counter()
         for other in self.core.fleet.replicas:
             holders.update(other.discovered_adapters.union(other.settings.adapters))
-        return unload_choice(candidates, self._loadable, (), replica.adapter_slots, holders.__getitem__)
+        return unload_choice(candidates, replica.adapter_slots, holders.__getitem__)
 
     async def _make_room(self, replica: Replica, spec: LoadableAdapter) -> str | None:
         """Unload one adapter from a replica that holds its most; None once it has, else why not."""
@@ -250,8 +248,6 @@ class AdapterLoader(Collector):
         self.unloads[(victim, "failed")] += 1
         # Still there, as far as kvlb can tell; its next listing says for sure.
         replica.adapter_loaded(victim)
-        if replica.discovered_models is not None:
-            replica.discovered_models = replica.discovered_models | {victim}
         self.core.fleet.refresh_adapters()
         problem = answer if isinstance(answer, str) else f"HTTP {answer[0]}: {answer[1][:ERROR_EXCERPT]}"
         log.warning("adapter %s: replica %s did not unload it: %s", victim, replica.name, problem)

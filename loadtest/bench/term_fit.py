@@ -28,6 +28,7 @@ import dataclasses
 import math
 
 from balancer.config import PolicySettings
+from balancer.routing.core import PREFILLING
 from loadtest.client.summary import summarize
 from loadtest.client.workloads import load_workload
 from loadtest.replica.profiles import PROFILES
@@ -74,7 +75,7 @@ def run(plan: FleetPlan, params: dict, spec: str, odd: set[str]) -> dict:
     first_byte = core.first_byte
 
     def watched(journey, now=None):  # noqa: ANN001, ANN202 - the core's own signature
-        if now is not None and journey.phase == 1 and journey.alone and journey.features.stream:
+        if now is not None and journey.phase == PREFILLING and journey.alone and journey.features.stream:
             predicted = journey.ranking[len(journey.attempts) - 1].terms.get(TTFT_TERM, 0.0)
             observed = (now - journey.sent_at) * 1000.0
             if predicted > 0 and observed > 0:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from balancer.config import ReplicaSettings, RoutingSettings
-from balancer.routing.adapters import AdapterDemand, AdapterSlots, unload_choice
+from balancer.routing.adapters import AdapterDemand, AdapterSlots, unload_choice, unloadable
 from balancer.routing.admission import AdmissionQueue
 from balancer.routing.core import CoreSettings, RoutingCore
 from balancer.routing.fleet import Fleet
@@ -47,7 +47,8 @@ def test_room_is_made_by_unloading_the_least_missed_adapter_kvlb_can_load_again(
     everything = {"hot", "warm", "cold", "rare", "theirs"}
 
     def choice(registered: set[str], spared: set[str] = frozenset()) -> str | None:
-        return unload_choice(registered, everything - {"theirs"}, spared, slots, lambda a: holders(a, 1))
+        candidates = unloadable(registered, everything - {"theirs"}, spared, slots)
+        return unload_choice(candidates, slots, lambda a: holders(a, 1))
 
     # rare has two other copies; cold none, but it is asked for as rarely, and not in a slot.
     assert choice({"hot", "warm", "cold", "rare"}) == "rare"
