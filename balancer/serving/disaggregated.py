@@ -18,13 +18,15 @@ from balancer.errors import ClientError
 from balancer.routing.core import Journey
 from balancer.routing.fleet import Replica
 from balancer.serving import pd_protocol
-from balancer.serving.proxy import RETRY_STATUSES, Outcome, Proxy, failure_kind
+from balancer.serving.proxy import RETRY_STATUSES, Outcome, Proxy, adapter_not_loaded, failure_kind
 from balancer.serving.usage import counts_of, learnable, parse_json
 from balancer.wire.client import UpstreamError
 from balancer.wire.server import Headers, Request
 
 # A prefill answer is one token: anything bigger is not one.
 PREFILL_ANSWER_LIMIT = 1 << 20
+# A half that answered 404 for an adapter it no longer holds: no fault of the replica's.
+ADAPTER_GONE = "adapter_gone"
 
 
 class _PairFailed(Exception):
@@ -50,6 +52,7 @@ class PairForwarder:
         if protocol == "sglang":
             pd_protocol.batch_size(data)  # refused before any replica is tried
         failures: list[str] = []
+        gone: list[str] = []
         outcome.attempts = decode.attempts
         while True:
             p = core.next_attempt(prefill, loop.time())
@@ -69,12 +72,16 @@ class PairForwarder:
                 failures.append(str(failed))
                 journey = prefill if failed.side == "prefill" else decode
                 proxy.metrics.count_attempt(failed.replica.name, failed.kind)
-                if failed.kind != "http_429" and core.failed(journey, loop.time()):
+                if failed.kind == ADAPTER_GONE:
+                    gone.append(failed.replica.name)
+                elif failed.kind != "http_429" and core.failed(journey, loop.time()):
                     proxy._ejected(failed.replica, failed.kind)
             finally:
                 if prefill.replica is not None:
                     core.end_attempt(prefill, answered=answered)
                 core.end_attempt(decode, answered=answered)
+        if gone and len(gone) == len(failures):
+            raise adapter_not_loaded(prefill.features.adapter, gone)
         raise ClientError(502, f"all {len(failures)} pair(s) failed: " + "; ".join(failures),
                           "upstream_failed", type_="upstream_error")
 
@@ -114,6 +121,8 @@ class PairForwarder:
         except (TimeoutError, OSError) as exc:
             raise _PairFailed("prefill", replica, failure_kind(exc)) from None
         try:
+            if resp.status == 404 and await proxy.adapter_gone(journey, replica, resp):
+                raise _PairFailed("prefill", replica, ADAPTER_GONE)
             if resp.status != 200:
                 raise _PairFailed("prefill", replica, f"http_{resp.status}")
             try:
@@ -154,6 +163,8 @@ class PairForwarder:
         try:
             if resp.status in RETRY_STATUSES:
                 raise _PairFailed("decode", replica, f"http_{resp.status}")
+            if resp.status == 404 and await proxy.adapter_gone(journey, replica, resp):
+                raise _PairFailed("decode", replica, ADAPTER_GONE)
             outcome.status = resp.status
             outcome.answered = True
             if resp.status == 200:

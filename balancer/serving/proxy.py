@@ -63,6 +63,8 @@ MAX_RETRY_AFTER_S = 3600.0
 # Bodies this small with a known length are answered in one write; anything else is relayed
 # chunk by chunk so memory stays flat and streams stay live.
 BUFFER_LIMIT_BYTES = 1 << 20
+# An engine's "no such model" answer is a line of JSON; a bigger 404 is not one.
+GONE_BODY_LIMIT = 16 * 1024
 
 
 @dataclass(slots=True)
@@ -116,6 +118,15 @@ def upstream_headers(request: Request, request_id: str, id_header: str) -> Heade
         out = [(n, v) for n, v in out if n.lower() != id_header]
     out.append((id_header, request_id))
     return out
+
+
+def adapter_not_loaded(adapter: str | None, gone: list[str]) -> ClientError:
+    """Every replica tried had lost the adapter since kvlb read its listing: they are no
+    longer routed it, and the client may come back at once."""
+    return ClientError(
+        503, f"adapter {adapter!r} is no longer loaded on {', '.join(gone)}; "
+        "kvlb routes it elsewhere from now on", "adapter_not_loaded",
+        type_="service_unavailable", retry_after=1)
 
 
 def failure_kind(exc: OSError | TimeoutError) -> str:
@@ -201,7 +212,7 @@ class Proxy:
                     self._failed(journey, kind, loop.time())
                     continue
                 attempt = f"http_{resp.status}"
-                if resp.status == 404 and self._adapter_gone(journey, replica):
+                if resp.status == 404 and await self.adapter_gone(journey, replica, resp):
                     # Unloaded since kvlb last read its listing (by a peer instance making
                     # room, an operator): the replicas that still hold it take the request.
                     gone.append(replica.name)
@@ -243,10 +254,7 @@ class Proxy:
                 if trace is not None:
                     trace.attempt_ended(attempt)
         if gone and len(gone) == len(failures):
-            raise ClientError(
-                503, f"adapter {journey.features.adapter!r} is no longer loaded on {', '.join(gone)}; "
-                "kvlb routes it elsewhere from now on", "adapter_not_loaded",
-                type_="service_unavailable", retry_after=1)
+            raise adapter_not_loaded(journey.features.adapter, gone)
         raise ClientError(
             502,
             f"all {len(failures)} attempt(s) failed: " + "; ".join(failures),
@@ -264,12 +272,21 @@ class Proxy:
             headers.append(("Authorization", self.replica_authorization))
         return headers
 
-    def _adapter_gone(self, journey: Journey, replica: Replica) -> bool:
-        """The replica answered 404 to a request for an adapter that kvlb knows it serves
-        only from its listing: it no longer holds it, and is not routed it again until a
-        listing names it (config's adapters are taken at their word)."""
+    async def adapter_gone(self, journey: Journey, replica: Replica, resp: UpstreamResponse) -> bool:
+        """The replica answered 404, naming the adapter, to a request for an adapter that kvlb
+        knows it serves only from its listing: it no longer holds it, and is not routed it
+        again until a listing names it (config's adapters are taken at their word). A 404
+        that does not name it (a route this replica lacks) is relayed as it is."""
         adapter = journey.features.adapter
         if adapter is None or adapter in replica.settings.adapters or not replica.serves_adapter(adapter):
+            return False
+        try:
+            async with asyncio.timeout(self.settings.timeouts.stream_idle_s):
+                body = await resp.peek(GONE_BODY_LIMIT)
+        except TimeoutError:
+            return False
+        # vLLM's answer: "The model `NAME` does not exist."
+        if body is None or orjson.dumps(adapter)[1:-1] not in body:
             return False
         replica.adapter_unloaded(adapter)
         self.core.fleet.refresh_adapters()

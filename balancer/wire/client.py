@@ -191,6 +191,25 @@ class UpstreamResponse:
         """The whole body has arrived (a small answer usually comes with its headers)."""
         return self._done and self._error is None
 
+    async def peek(self, limit: int) -> bytes | None:
+        """The whole body, left in place for `read`, `iter_chunks` or `pipe` to hand on; None
+        when it is over `limit` bytes or broke. For the few answers kvlb must look into
+        before relaying them."""
+        limit = min(limit, PAUSE_ABOVE_BYTES)  # past it the connection pauses: nothing more would come
+        while not self._done and self._buffered <= limit:
+            self._waiter = self._conn.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if self._error is not None or self._buffered > limit:
+            return None
+        data = b"".join(self._chunks)
+        self._chunks.clear()
+        if data:
+            self._chunks.append(data)
+        return data
+
     async def read(self, limit: int) -> bytes:
         if self._done and self._error is None and len(self._chunks) <= 1:
             # The usual small answer: all there already, no need to iterate.

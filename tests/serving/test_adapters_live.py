@@ -410,3 +410,22 @@ async def test_an_adapter_unloaded_behind_kvlbs_back_is_retried_where_it_still_i
                 assert headers["Retry-After"] == "1"
                 status, _, body = await complete(http, running.url, "sql")
                 assert status == 404 and body["error"]["code"] == "model_not_found", body
+
+
+async def test_a_404_that_does_not_name_the_adapter_leaves_it_where_it_is() -> None:
+    # The replica has no embeddings route: its 404 is about the route, not the adapter, and
+    # is relayed as it is; the adapter stays routed there.
+    args = ["--model", BASE, "--enable-lora", "--lora-modules", "sql=/adapters/sql", "--max-loras", "1",
+            "--time-scale", "20"]
+    with ReplicaProcess(args) as replica:
+        async with AsyncExitStack() as stack:
+            running = await stack.enter_async_context(run_balancer(make_settings([{"url": replica.url}])))
+            async with aiohttp.ClientSession() as http:
+                async with http.post(running.url + "/v1/embeddings", json={"model": "sql", "input": "hi"}) as resp:
+                    assert resp.status == 404
+                    text = await resp.text()
+                    assert "Not Found" in text and "sql" not in text, text
+                status, _, body = await complete(http, running.url, "sql")
+                assert status == 200, body
+                async with http.get(running.url + "/metrics") as resp:
+                    assert 'outcome="adapter_gone"' not in await resp.text()

@@ -161,3 +161,46 @@ async def test_a_client_setting_the_balancers_fields_gets_a_clear_400_and_others
                 assert resp.status == 400 and error["code"] == "batch_too_large", error
             status, _, body = await ask(http, running.url, "/v1/completions", True)
             assert status == 200 and body["usage"]["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+async def test_an_adapter_unloaded_behind_kvlbs_back_moves_the_pair_on(side: str) -> None:
+    # Every replica lists `sql` at start; then it is unloaded from one pool behind kvlb's back.
+    # Their 404s are no fault of the replicas': the client is told to come back, and the next
+    # request runs whole on the pool that still holds it (vLLM's kv_both engines serve alone).
+    lora = ["--enable-lora", "--allow-runtime-lora-updating", "--lora-modules", "sql=/adapters/sql"]
+    with ExitStack() as processes:
+        pools = {role: [processes.enter_context(ReplicaProcess(replica_args(role, "vllm") + lora,
+                                                                       pick_bootstrap_port=True))
+                        for _ in range(2)] for role in ("prefill", "decode")}
+        settings = make_settings(entries(pools["prefill"], pools["decode"]), policy={"name": "predictive", "seed": 0},
+                                 disaggregation={"protocol": "vllm"})
+        async with AsyncExitStack() as stack:
+            running = await stack.enter_async_context(run_balancer(settings))
+            http = await stack.enter_async_context(aiohttp.ClientSession())
+
+            async def ask_sql(n: int) -> tuple[int, dict, dict]:
+                body = {"model": "sql", "prompt": f"{n} {PROMPT}", "max_tokens": 8}
+                async with http.post(running.url + "/v1/completions", json=body) as resp:
+                    return resp.status, dict(resp.headers), await resp.json(content_type=None)
+
+            status, headers, body = await ask_sql(0)
+            assert status == 200 and headers["x-kvlb-replica"] in {"d0", "d1"}, body
+            for r in pools[side]:
+                async with http.post(r.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"}) as resp:
+                    assert resp.status == 200
+            status, headers, body = await ask_sql(1)
+            assert status == 503 and body["error"]["code"] == "adapter_not_loaded", body
+            assert headers["Retry-After"] == "1"
+            async with http.get(running.url + "/metrics") as resp:
+                lines = (await resp.text()).splitlines()
+            gone = [line for line in lines if line.startswith("kvlb_upstream_attempts_total{")
+                    and 'outcome="adapter_gone"' in line]
+            assert sum(float(line.split()[-1]) for line in gone) == 2, gone
+            fleet = running.balancer.fleet
+            assert all(not fleet.by_name[f"{side[0]}{i}"].breaker.ejections for i in range(2))
+            status, headers, body = await ask_sql(2)
+            assert status == 200, body
+            assert await metric(http, running.url, "colocated_no_pair") == 1
+            other = "p" if side == "decode" else "d"
+            assert headers["x-kvlb-replica"] in {f"{other}0", f"{other}1"}, headers
