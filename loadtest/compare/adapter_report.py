@@ -29,7 +29,7 @@ from loadtest.simulator.simulator import simulate
 REPLICAS, SLOTS, LOAD_MS = 8, 4, 500.0
 WORKLOAD = "lora,adapters=64,system_tokens=2000,question_tokens=64,output_tokens=64"
 # (Zipf exponent of the adapters' popularity, requests a second)
-SHAPES = ((1.0, 10.0), (1.0, 20.0), (1.2, 10.0), (1.2, 20.0))
+SHAPES = ((1.0, 10.0), (1.0, 20.0), (1.0, 40.0), (1.2, 10.0), (1.2, 20.0), (1.2, 40.0))
 REQUESTS = 4000
 POLICIES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("cache_aware, adapter_weight 0 (blind)", "cache_aware", {"adapter_weight": 0}),

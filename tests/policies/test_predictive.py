@@ -14,7 +14,7 @@ import pytest
 
 from balancer.config import load_settings
 from balancer.routing.adapters import AdapterDemand, AdapterSlots
-from policies.base import MODEL_ITL_PARTS, MODEL_TTFT_PARTS, RequestFeatures
+from policies.base import MODEL_ITL_PARTS, MODEL_TTFT_PARTS, TTFT_TERM, RequestFeatures
 from policies.predictive import PredictivePolicy
 from policies.registry import POLICIES, make_policy
 from tests.fakes import FakeReplica
@@ -329,3 +329,25 @@ def test_a_replica_whose_slots_are_all_in_use_makes_the_request_wait_for_one():
     idle.adapter_slots.ended("chat")
     terms = {c.replica.name: c.terms for c in PredictivePolicy(seed=0).rank(_adapter_request(), [busy, idle])}
     assert terms["busy"]["adapter_ms"] > terms["idle"]["adapter_ms"] == 500.0
+
+
+def test_an_overloaded_fleet_waits_where_the_adapter_is_rather_than_stall_a_queue_with_a_load():
+    # Both replicas have a long prefill backlog. On the request's own first token, loading
+    # the adapter beside the shorter queue is faster; but the load stalls that replica for
+    # 500 ms, and everyone queued there waits it out. On an idle fleet a load costs only the
+    # request's own wait.
+    holding = FakeReplica("holding", prefill_tokens_queued=90_000)
+    loading = FakeReplica("loading", prefill_tokens_queued=30_000)
+    for replica in (holding, loading):
+        replica.adapter_slots = AdapterSlots(2, 500.0)
+    holding.adapter_slots.started("sql")
+    holding.adapter_slots.ended("sql")
+    ties = {"tie_tolerance_ms": 0, "tie_tolerance_ratio": 0}
+    ranked = PredictivePolicy(seed=0, **ties).rank(_adapter_request(), [loading, holding])
+    terms = {c.replica.name: c.terms for c in ranked}
+    assert terms["loading"][TTFT_TERM] < terms["holding"][TTFT_TERM]
+    assert terms["loading"]["busy"] > 0.9
+    assert ranked[0].replica is holding
+    # With the shorter queue empty the fleet is not busy, and the load beside it is worth it.
+    holding.prefill_tokens_queued, loading.prefill_tokens_queued = 45_000, 0
+    assert PredictivePolicy(seed=0, **ties).rank(_adapter_request(), [loading, holding])[0].replica is loading
