@@ -7,9 +7,11 @@ be unloaded), with the limit and kvlb unloading to make room (the default), and 
 and `unload_to_make_room: false` (what kvlb did before it unloaded: once a replica is full,
 each new adapter's requests fail). Printed per run: errors, TTFT p50/p99 (model time), cache
 hit, the loads and unloads kvlb asked for, and the most adapters any replica listed at the end.
+Each load request reads the adapter for `--register-ms` of model time before it is registered
+(the engines read it from disk at every load), so unloading and loading again is not free.
 
     python -m loadtest.bench.adapter_registry [--replicas 4] [--limit 8] [--requests 600]
-                                              [--rate 10] [--time-scale 4]
+                                              [--rate 10] [--time-scale 4] [--register-ms 200]
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ async def run(args: argparse.Namespace, limit: int | None, unload: bool) -> dict
             f"requests={args.requests},rate={args.rate:g}")
     workload = load_workload(spec)
     replica_args = ["--enable-lora", "--allow-runtime-lora-updating", "--max-loras", str(SLOTS),
-                    "--lora-load-ms", str(LOAD_MS)]
+                    "--lora-load-ms", str(LOAD_MS), "--lora-register-ms", f"{args.register_ms:g}"]
     if limit is not None:
         replica_args += ["--max-loaded-loras", str(limit)]
     async with LiveFleet(args.replicas, time_scale=args.time_scale, replica_args=replica_args,
@@ -72,8 +74,8 @@ async def run(args: argparse.Namespace, limit: int | None, unload: bool) -> dict
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    print(f"{args.replicas} replicas, {SLOTS} adapter slots each, {LOAD_MS} ms loads, {ADAPTERS} adapters (Zipf 1.0) "
-          f"loaded on demand; {args.requests} requests at {args.rate:g}/s, time scale {args.time_scale:g}\n")
+    print(f"{args.replicas} replicas, {SLOTS} adapter slots each, {LOAD_MS} ms slot loads, {args.register_ms:g} ms "
+          f"to read an adapter at each load, {ADAPTERS} adapters (Zipf 1.0) loaded on demand; {args.requests} requests at {args.rate:g}/s, time scale {args.time_scale:g}\n")
     print("| registration limit | unload to make room | errors | TTFT p50 | TTFT p99 | cache hit | loads | unloads "
           "| most adapters a replica listed |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -94,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=600)
     parser.add_argument("--rate", type=float, default=10.0, help="requests per second of model time")
     parser.add_argument("--time-scale", type=float, default=4.0)
+    parser.add_argument("--register-ms", type=float, default=200.0,
+                        help="model ms a load request takes to read the adapter before it is registered")
     return asyncio.run(main_async(parser.parse_args(argv)))
 
 

@@ -82,6 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model milliseconds to load an adapter into a slot",
     )  # fmt: skip
     lora.add_argument(
+        "--lora-register-ms", type=float, default=0.0,
+        help="model milliseconds a load request takes to read the adapter from disk before it "
+        "is registered; loads run one at a time (default 0)",
+    )  # fmt: skip
+    lora.add_argument(
         "--allow-runtime-lora-updating", action="store_true",
         help=f"mount /v1/load_lora_adapter and /v1/unload_lora_adapter (also {RUNTIME_LORA_ENV}=True)",
     )  # fmt: skip
@@ -165,6 +170,7 @@ def config_from_args(args: argparse.Namespace) -> ReplicaConfig:
         max_loras=args.max_loras,
         lora_load_ms=args.lora_load_ms,
         max_loaded_loras=args.max_loaded_loras,
+        lora_register_ms=args.lora_register_ms,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating
         or runtime_lora_updating_from_env(),
         disaggregation_mode=args.disaggregation_mode,

@@ -70,6 +70,9 @@ class ReplicaConfig:
     # SGLang's --max-loaded-loras: adapters registered at once; a load beyond is refused
     # until one is unloaded. None: no limit (vLLM).
     max_loaded_loras: int | None = None
+    # Model milliseconds a load request takes to read an adapter's weights from disk before
+    # it is registered (both engines read them at each load); loads run one at a time.
+    lora_register_ms: float = 0.0
     allow_runtime_lora_updating: bool = False  # mounts the load/unload routes
     # Prefill/decode disaggregation (disaggregation.py): SGLang's role flags, or vLLM's
     # connector config, which serves both of its roles on one server.
@@ -102,6 +105,8 @@ class ReplicaConfig:
             raise ValueError("max_loras must be at least 1")
         if self.lora_load_ms < 0:
             raise ValueError("lora_load_ms must not be negative")
+        if self.lora_register_ms < 0:
+            raise ValueError("lora_register_ms must not be negative")
         if self.max_loaded_loras is not None:
             if self.max_loaded_loras < self.max_loras:
                 raise ValueError("max_loaded_loras must be at least max_loras")

@@ -58,6 +58,8 @@ class ReplicaServer:
         self.faults = FaultState(config.faults)
         self.model = config.model_name
         self.lora = LoraRegistry(self.model, config.lora_modules) if config.enable_lora else None
+        # The engines apply adapter loads and unloads one at a time.
+        self._lora_updates = asyncio.Lock()
         self.handoff = KvHandoff(config)
         self.registry = build_registry(
             self.driver, self.model, self.handoff.counters if config.disaggregated else None
@@ -385,13 +387,17 @@ class ReplicaServer:
             name, path = data.get("lora_name"), data.get("lora_path")
             if not name or not path or not isinstance(name, str) or not isinstance(path, str):
                 raise _invalid_lora("Both 'lora_name' and 'lora_path' must be provided.")
-            cap = self.config.max_loaded_loras
-            if cap is not None and name not in self.lora and len(self.lora) >= cap:
-                return _registry_full(request.path, name, path, cap)
-            try:
-                self.lora.register(name, path)
-            except ValueError as error:
-                raise _invalid_lora(str(error)) from None
+            async with self._lora_updates:
+                cap = self.config.max_loaded_loras
+                if cap is not None and name not in self.lora and len(self.lora) >= cap:
+                    return _registry_full(request.path, name, path, cap)
+                if name not in self.lora and self.config.lora_register_ms > 0:
+                    # Reading the weights from disk.
+                    await asyncio.sleep(self.config.lora_register_ms / 1000 / self.config.time_scale)
+                try:
+                    self.lora.register(name, path)
+                except ValueError as error:
+                    raise _invalid_lora(str(error)) from None
         except ApiError as error:
             return error_response(error)
         log.info("LoRA adapter %s registered from %s", name, path)
@@ -405,7 +411,8 @@ class ReplicaServer:
             if not name or not isinstance(name, str):
                 raise _invalid_lora("'lora_name' needs to be provided to unload a LoRA adapter.")
             try:
-                self.lora.unregister(name)
+                async with self._lora_updates:
+                    self.lora.unregister(name)
             except KeyError:
                 message = f"The lora adapter '{name}' cannot be found."
                 raise ApiError(404, message, 404, type_="NotFoundError") from None

@@ -3,6 +3,8 @@ vLLM's and SGLang's ways of naming, listing, loading and unloading adapters over
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import msgpack
 import openai
@@ -296,6 +298,7 @@ def test_lora_flags_build_the_config(monkeypatch):
         (["--enable-lora", "--lora-modules", f"{BASE}=/p"], "served model"),
         (["--enable-lora", "--max-loras", "0"], "max_loras"),
         (["--enable-lora", "--lora-load-ms", "-1"], "lora_load_ms"),
+        (["--enable-lora", "--lora-register-ms", "-1"], "lora_register_ms"),
     ],
 )
 def test_bad_lora_flags_exit_with_status_2(capsys, argv, message):
@@ -605,3 +608,23 @@ def test_max_loaded_loras_holds_the_slots_and_the_startup_adapters():
         lora_config(max_loras=4, max_loaded_loras=3)
     with pytest.raises(ValueError, match="should not exceed max_loaded_loras"):
         lora_config(max_loaded_loras=1)  # two adapters at start
+
+
+async def test_a_load_reads_the_adapter_before_it_serves_and_loads_run_one_at_a_time(http):
+    # 400 model ms at time scale 4: 100 ms of real time per load, two loads one after the other.
+    config = lora_config(allow_runtime_lora_updating=True, time_scale=4.0, lora_register_ms=400.0)
+    async with running_replica(config) as server:
+        load = server.url + "/v1/load_lora_adapter"
+        body = {"model": "c", "prompt": "hello", "max_tokens": 1}
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        loads = [asyncio.ensure_future(post(http, load, {"lora_name": name, "lora_path": f"/adapters/{name}"}))
+                 for name in ("c", "d")]
+        await asyncio.sleep(0.03)
+        # Still reading: not served yet.
+        assert (await post(http, server.url + "/v1/completions", body))[0] == 404
+        assert [status for status, _ in await asyncio.gather(*loads)] == [200, 200]
+        assert loop.time() - started >= 0.19
+        assert (await post(http, server.url + "/v1/completions", body))[0] == 200
+        # Loading one it holds is refused, as vLLM refuses it.
+        assert (await post(http, load, {"lora_name": "c", "lora_path": "/adapters/c"}))[0] == 400
