@@ -176,6 +176,11 @@ MODEL_ITL_PARTS = ("iteration", "context")
 # Its predicted time to first token there in this fleet's own milliseconds (the fitted speed
 # applied): what flow control adds to a queued request's wait to judge its target.
 TTFT_TERM = "ttft_ms"
+# On a replica where the policy priced loading the request's LoRA adapter into a slot: what
+# one such load adds to `cost`, in the cost's own units. The adapter loader counts it once
+# more on a replica that must unload another adapter first (that adapter's next request
+# loads it again).
+LOAD_TERM = "load_cost"
 
 
 # Not frozen: one is built per replica per request, and frozen dataclasses cost 3x to create.

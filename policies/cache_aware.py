@@ -56,7 +56,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from policies.base import Choice, Policy, ReplicaView, RequestFeatures
+from policies.base import LOAD_TERM, Choice, Policy, ReplicaView, RequestFeatures
 from policies.costs import (
     OVERFLOW_TIER,
     fraction_param,
@@ -224,6 +224,8 @@ class CacheAwarePolicy(Policy):
                     },
                 )
             )
+            if adapter_cost:
+                choices[-1].terms[LOAD_TERM] = slots.load_ms * adapter_tokens_per_ms
             add_key(cost + rand() * (tol_abs + tol_rel * cost))
             if labels.get("tier") == OVERFLOW_TIER:
                 overflow.append(i)

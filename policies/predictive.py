@@ -92,6 +92,7 @@ from policies.base import (
     DECODE_ITERATION_MS,
     DECODE_MS_PER_CONTEXT_TOKEN,
     DECODE_MS_PER_SEQ,
+    LOAD_TERM,
     MODEL_ITL_TERM,
     MODEL_TTFT_TERM,
     TTFT_TERM,
@@ -514,6 +515,8 @@ class PredictivePolicy(Policy):
                     (waited_ms, queue_ms, attention_ms * inv_w, itl_iteration, itl_context),
                 )
             )
+            if adapter_ms:
+                choices[-1].terms[LOAD_TERM] = adapter_w * r.adapter_slots.load_ms * speed
             keys.append(cost + rand() * (tol_abs + tol_rel * cost))
             if labels.get("tier") == OVERFLOW_TIER:
                 overflow.append(i)

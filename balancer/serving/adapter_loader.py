@@ -37,7 +37,7 @@ from balancer.errors import ClientError
 from balancer.routing.adapters import unload_choice, unloadable
 from balancer.routing.core import RoutingCore
 from balancer.routing.fleet import Replica
-from policies.base import RequestFeatures
+from policies.base import LOAD_TERM, RequestFeatures
 
 log = logging.getLogger("kvlb.adapters")
 
@@ -49,6 +49,14 @@ REGISTRY_FULL = "Maximum number of loaded LoRA adapters"
 ERROR_EXCERPT = 200
 # An engine's answer is read this far for the words above, no further.
 MAX_ANSWER_CHARS = 4096
+# Why a load failed when the replica had no adapter kvlb could unload.
+NO_ROOM = "no room"
+# Replicas tried, best first, for an adapter no replica serves, while each has no room.
+MAX_ROOM_TRIES = 3
+
+
+class _NoRoom(ClientError):
+    """The chosen replica had no room left when its turn came: the next may."""
 
 
 class AdapterLoader(Collector):
@@ -60,6 +68,9 @@ class AdapterLoader(Collector):
         self._authorization = authorization
         self._loadable = {adapter.name: adapter for adapter in settings.load_on_demand}
         self._loading: dict[str, asyncio.Future[None]] = {}
+        # Adapters with requests between `ensure` and their first attempt: not to be unloaded
+        # to make room meanwhile, or those requests would find no replica serving them.
+        self._wanted: Counter[str] = Counter()
         self._unload_path = settings.unload_path or settings.load_path.replace(
             "load_lora_adapter", "unload_lora_adapter")
         # One load or unload at a time per replica: two loads racing for its last free
@@ -89,9 +100,13 @@ class AdapterLoader(Collector):
         it, have one load it; raises the ClientError to answer with when that fails. When
         some do, but the policy would rather run the request on a replica of its base model
         that does not (those serving it are busy enough to be worth a load), have that one
-        load it too; a failure there leaves the request to those already serving it."""
+        load it too; a failure there leaves the request to those already serving it.
+
+        From the call on, the adapter is not unloaded to make room for another until
+        `release` (called once the request's first attempt has started, or it failed)."""
         spec = self.spec(features.model)
         assert spec is not None
+        self._wanted[spec.name] += 1
         now = asyncio.get_running_loop().time()
         serving = self.core.fleet.routable(spec.name, allowed, now)
         pending = self._loading.get(spec.name)
@@ -113,15 +128,35 @@ class AdapterLoader(Collector):
             return
         ranking = self.core.plan(route, features, prompt if isinstance(prompt, str | list) else None,
                                  [*serving, *others]).ranking
-        best = ranking[0].replica
+        first = ranking[0]
+        best = first.replica
         if not any(best is r for r in others):
             return
         assert isinstance(best, Replica)
+        if self._full(best):
+            # Room there means unloading an adapter whose next request loads it again: a
+            # second load, which the replicas already serving this one must be worse than.
+            # Without it, on replicas that keep few adapters registered, hot adapters pushed
+            # the others around and each came back by pushing another.
+            holder = next((c for c in ranking if not any(c.replica is r for r in others)), None)
+            if holder is not None and first.terms["cost"] + first.terms.get(LOAD_TERM, 0.0) >= holder.terms["cost"]:
+                return
         pending = self._begin(spec, self._load_on(spec, best))
         try:
             await asyncio.shield(pending)
         except ClientError:
             pass  # counted and logged; the replicas serving it take this request
+
+    def release(self, model: str | None) -> None:
+        """The request `ensure` was called for has started on a replica, or will not."""
+        spec = self.spec(model)
+        if spec is None:
+            return
+        left = self._wanted[spec.name] - 1
+        if left > 0:
+            self._wanted[spec.name] = left
+        else:
+            del self._wanted[spec.name]
 
     def _begin(self, spec: LoadableAdapter, load: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
         pending = self._loading[spec.name] = asyncio.ensure_future(load)
@@ -142,9 +177,19 @@ class AdapterLoader(Collector):
             raise ClientError(503, f"no replica serving base model {spec.base!r} can load adapter {spec.name!r} now",
                               "adapter_load_failed", type_="service_unavailable", retry_after=5)
         ranking = self.core.plan(route, features, prompt if isinstance(prompt, str | list) else None, candidates).ranking
-        replica = ranking[0].replica
-        assert isinstance(replica, Replica)
-        await self._load_on(spec, replica)
+        # A replica that could make room when chosen may find every adapter in use once its
+        # turn comes: the next one is asked then.
+        no_room: _NoRoom | None = None
+        for choice in ranking[:MAX_ROOM_TRIES]:
+            replica = choice.replica
+            assert isinstance(replica, Replica)
+            try:
+                await self._load_on(spec, replica)
+                return
+            except _NoRoom as full:
+                no_room = full
+        assert no_room is not None
+        raise no_room
 
     async def _load_on(self, spec: LoadableAdapter, replica: Replica) -> None:
         async with self._lock_of(replica):
@@ -159,8 +204,9 @@ class AdapterLoader(Collector):
         if problem is not None:
             self.outcomes[(spec.name, "failed")] += 1
             log.warning("adapter %s: replica %s did not load it: %s", spec.name, replica.name, problem)
-            raise ClientError(503, f"replica {replica.name} could not load adapter {spec.name!r}: {problem}",
-                              "adapter_load_failed", type_="service_unavailable", retry_after=5)
+            error = _NoRoom if problem.startswith(NO_ROOM) else ClientError
+            raise error(503, f"replica {replica.name} could not load adapter {spec.name!r}: {problem}",
+                        "adapter_load_failed", type_="service_unavailable", retry_after=5)
         self.outcomes[(spec.name, "loaded")] += 1
         log.info("adapter %s loaded on replica %s", spec.name, replica.name)
         replica.adapter_loaded(spec.name)
@@ -216,7 +262,7 @@ class AdapterLoader(Collector):
             return iter(())
         # Those config says it serves stay: kvlb would go on routing them there.
         listed = (a for a in replica.discovered_adapters if a not in replica.settings.adapters)
-        return unloadable(listed, self._loadable, (spec.name, *self._loading), replica.adapter_slots)
+        return unloadable(listed, self._loadable, (spec.name, *self._loading, *self._wanted), replica.adapter_slots)
 
     def _victim(self, replica: Replica, spec: LoadableAdapter) -> str | None:
         candidates = list(self._unloadable(replica, spec))
@@ -231,8 +277,9 @@ class AdapterLoader(Collector):
         """Unload one adapter from a replica that holds its most; None once it has, else why not."""
         victim = self._victim(replica, spec)
         if victim is None:
-            return (f"it holds {replica.max_loaded_loras} adapters, its most, and none that kvlb may unload"
-                    " (each is in use, loading, or not among adapters.load_on_demand)"
+            return (f"{NO_ROOM}: it holds {replica.max_loaded_loras} adapters, its most, and none that kvlb may "
+                    "unload (each is in use, loading, wanted by a request about to be routed, or not among "
+                    "adapters.load_on_demand)"
                     if self.settings.unload_to_make_room else
                     f"it holds {replica.max_loaded_loras} adapters, its most (adapters.unload_to_make_room is off)")
         # Not routed there from now on, so no request of kvlb's meets the unload.

@@ -234,8 +234,23 @@ class Forwarder:
                        features: RequestFeatures, parse_s: float, ticket: Ticket | None) -> None:
         allowed = request.header(self._allowed_header)
         regions = allowed_regions(allowed) if allowed is not None else None
-        if self.adapters is not None and features.model in self.adapters:
-            await self.adapters.ensure(route, features, features.prompt, regions)
+        adapters = self.adapters if self.adapters is not None and features.model in self.adapters else None
+        try:
+            if adapters is not None:
+                await adapters.ensure(route, features, features.prompt, regions)
+            journey, decode, extra = await self._place(request, route, request_id, outcome, features, parse_s,
+                                                       ticket, regions)
+        finally:
+            if adapters is not None:
+                adapters.release(features.model)
+        if decode is None:
+            await self.proxy.forward(request, journey, request_id, outcome, extra)
+        else:
+            await self.pairs.forward(request, journey, decode, request_id, outcome, extra)
+
+    async def _place(self, request: Request, route: str, request_id: str, outcome: Outcome, features: RequestFeatures,
+                     parse_s: float, ticket: Ticket | None, regions: frozenset[str] | None,
+                     ) -> tuple[Journey, Journey | None, list[tuple[str, str]] | None]:
         candidates = await self._candidates(request, route, features, regions, ticket)
         prompt = features.prompt
         if isinstance(prompt, RemotePrompt):
@@ -251,10 +266,7 @@ class Forwarder:
         if ticket is not None and ticket.reserved:
             assert self.core.flow is not None
             self.core.flow.placed(ticket)  # its first attempt takes the slot it was given
-        if decode is None:
-            await self.proxy.forward(request, journey, request_id, outcome, extra)
-        else:
-            await self.pairs.forward(request, journey, decode, request_id, outcome, extra)
+        return journey, decode, extra
 
     def _decide(self, request: Request, route: str, request_id: str, outcome: Outcome, features: RequestFeatures,
                 prompt: str | Sequence[int] | None, candidates: Sequence[Replica],

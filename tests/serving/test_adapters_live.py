@@ -9,6 +9,7 @@ from contextlib import AsyncExitStack, ExitStack
 import aiohttp
 
 from loadtest.replica.launch import ReplicaProcess
+from policies.base import RequestFeatures
 from tests.conftest import make_settings, run_balancer
 
 BASE = "base-model"
@@ -429,3 +430,66 @@ async def test_a_404_that_does_not_name_the_adapter_leaves_it_where_it_is() -> N
                 assert status == 200, body
                 async with http.get(running.url + "/metrics") as resp:
                     assert 'outcome="adapter_gone"' not in await resp.text()
+
+
+async def test_an_adapter_a_request_is_about_to_be_routed_to_is_not_unloaded_to_make_room() -> None:
+    # A request for sql has been through the loader (it is registered) but has not reached a
+    # replica yet: while it waits, another adapter's load must not take sql's place, or the
+    # request would find no replica serving it.
+    with ExitStack() as processes:
+        replica = processes.enter_context(ReplicaProcess(sglang_registry(2)))
+        async with AsyncExitStack() as stack:
+            settings = make_settings([{"url": replica.url, "name": "r0", "max_loaded_loras": 2}],
+                                     adapters={"load_on_demand": LOADABLE, "load_path": "/load_lora_adapter"})
+            running = await stack.enter_async_context(run_balancer(settings))
+            loader = running.balancer.adapters
+            async with aiohttp.ClientSession() as http:
+                for model in ("sql", "chat", "chat"):
+                    assert (await complete(http, running.url, model))[0] == 200
+                waiting = RequestFeatures("/v1/completions", model="sql", adapter="sql", prompt_tokens=10)
+                await loader.ensure("/v1/completions", waiting, None, None)
+                try:
+                    # sql, asked for once and longest ago, would be the one to go.
+                    assert (await complete(http, running.url, "sum"))[0] == 200
+                    assert await listed_adapters(http, replica.url) == {"sql", "sum"}
+                finally:
+                    loader.release("sql")
+                assert await unloads(http, running.url) == {'adapter="chat",outcome="unloaded"': 1.0}
+
+
+async def test_a_hot_adapter_unloads_another_to_spread_only_when_a_second_load_is_worth_it() -> None:
+    # sql is on r0; r1 keeps two adapters registered, its most. Spreading sql to r1 unloads one
+    # of them, whose next request loads it again: two loads, against r0's queue.
+    def args(*modules: str) -> list[str]:
+        return ["--model", BASE, "--enable-lora", "--allow-runtime-lora-updating", "--max-loras", "2",
+                "--max-loaded-loras", "2", "--lora-load-ms", "500", "--time-scale", "20", "--lora-modules", *modules]
+
+    loadable = [{"name": name, "path": f"/adapters/{name}", "base": BASE} for name in ("sql", "f1", "f2")]
+    with ExitStack() as processes:
+        replicas = [processes.enter_context(ReplicaProcess(args("sql=/adapters/sql"))),
+                    processes.enter_context(ReplicaProcess(args("f1=/adapters/f1", "f2=/adapters/f2")))]
+        async with AsyncExitStack() as stack:
+            entries = [{"url": r.url, "name": f"r{i}", "max_loras": 2, "max_loaded_loras": 2, "lora_load_ms": 500}
+                       for i, r in enumerate(replicas)]
+            settings = make_settings(entries, policy={"name": "predictive", "seed": 0},
+                                     adapters={"load_on_demand": loadable, "load_path": "/load_lora_adapter"})
+            running = await stack.enter_async_context(run_balancer(settings))
+            r0 = running.balancer.fleet.by_name["r0"]
+            async with aiohttp.ClientSession() as http:
+                # An idle r0 keeps it (and now holds it in a slot, as far as kvlb knows).
+                status, headers, body = await complete(http, running.url, "sql")
+                assert status == 200 and headers["x-kvlb-replica"] == "r0", body
+                # r0's queue, about 800 ms of prefill: more than one load on r1, less than two.
+                r0.prefill_tokens_queued += 42_000
+                status, headers, body = await complete(http, running.url, "sql")
+                assert status == 200 and headers["x-kvlb-replica"] == "r0", body
+                assert await listed_adapters(http, replicas[1].url) == {"f1", "f2"}
+                assert await unloads(http, running.url) == {}
+                # About 2.3 s: worth both.
+                r0.prefill_tokens_queued += 78_000
+                status, headers, body = await complete(http, running.url, "sql")
+                assert status == 200, body
+                listed = await listed_adapters(http, replicas[1].url)
+                assert "sql" in listed and len(listed) == 2
+                assert sum((await unloads(http, running.url)).values()) == 1
+                r0.prefill_tokens_queued -= 120_000
