@@ -4,7 +4,9 @@ the replicas list, a prompt's cache keyed by its adapter, and an adapter nobody 
 from __future__ import annotations
 
 import asyncio
-from contextlib import AsyncExitStack, ExitStack
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager
+from typing import Any
 
 import aiohttp
 
@@ -309,28 +311,34 @@ def sglang_registry(limit: int, *modules: str, time_scale: float = 20) -> list[s
 LOADABLE = [{"name": name, "path": f"/adapters/{name}", "base": BASE} for name in ("sql", "chat", "sum")]
 
 
+@asynccontextmanager
+async def two_registered(entry: dict) -> AsyncIterator[tuple[ReplicaProcess, Any, aiohttp.ClientSession]]:
+    """A replica that keeps 2 adapters registered (config entry `entry`), kvlb loading sql,
+    chat and sum on demand, after requests for sql, then chat twice: it holds both, sql the
+    colder."""
+    with ReplicaProcess(sglang_registry(2)) as replica:
+        settings = make_settings([{"url": replica.url, "name": "r0", **entry}],
+                                 adapters={"load_on_demand": LOADABLE, "load_path": "/load_lora_adapter"})
+        async with run_balancer(settings) as running, aiohttp.ClientSession() as http:
+            for model in ("sql", "chat", "chat"):
+                assert (await complete(http, running.url, model))[0] == 200
+            yield replica, running, http
+
+
 async def test_a_replica_refusing_past_its_most_adapters_unloads_the_coldest_first() -> None:
     # Config gives the KV capacity and the replica starts with no adapter, so kvlb never asks
     # its /get_server_info and does not know its limit: the refusal says it.
-    with ExitStack() as processes:
-        replica = processes.enter_context(ReplicaProcess(sglang_registry(2)))
-        async with AsyncExitStack() as stack:
-            settings = make_settings([{"url": replica.url, "name": "r0", "kv_capacity_tokens": 100000}],
-                                     adapters={"load_on_demand": LOADABLE, "load_path": "/load_lora_adapter"})
-            running = await stack.enter_async_context(run_balancer(settings))
-            async with aiohttp.ClientSession() as http:
-                for model in ("sql", "chat", "chat"):
-                    assert (await complete(http, running.url, model))[0] == 200
-                # Full: sql, asked for once and longest ago, makes room for sum.
-                status, headers, body = await complete(http, running.url, "sum")
-                assert status == 200 and headers["x-kvlb-replica"] == "r0", body
-                assert await listed_adapters(http, replica.url) == {"chat", "sum"}
-                assert await unloads(http, running.url) == {'adapter="sql",outcome="unloaded"': 1.0}
-                assert running.balancer.fleet.by_name["r0"].max_loaded_loras is None
-                # And back: sql is loaded again, in place of the colder of the other two.
-                assert (await complete(http, running.url, "sql"))[0] == 200
-                assert "sql" in await listed_adapters(http, replica.url)
-                assert len(await listed_adapters(http, replica.url)) == 2
+    async with two_registered({"kv_capacity_tokens": 100000}) as (replica, running, http):
+        # Full: sql, asked for once and longest ago, makes room for sum.
+        status, headers, body = await complete(http, running.url, "sum")
+        assert status == 200 and headers["x-kvlb-replica"] == "r0", body
+        assert await listed_adapters(http, replica.url) == {"chat", "sum"}
+        assert await unloads(http, running.url) == {'adapter="sql",outcome="unloaded"': 1.0}
+        assert running.balancer.fleet.by_name["r0"].max_loaded_loras is None
+        # And back: sql is loaded again, in place of the colder of the other two.
+        assert (await complete(http, running.url, "sql"))[0] == 200
+        assert "sql" in await listed_adapters(http, replica.url)
+        assert len(await listed_adapters(http, replica.url)) == 2
 
 
 async def test_an_adapter_in_use_is_not_unloaded_to_make_room() -> None:
@@ -436,25 +444,17 @@ async def test_an_adapter_a_request_is_about_to_be_routed_to_is_not_unloaded_to_
     # A request for sql has been through the loader (it is registered) but has not reached a
     # replica yet: while it waits, another adapter's load must not take sql's place, or the
     # request would find no replica serving it.
-    with ExitStack() as processes:
-        replica = processes.enter_context(ReplicaProcess(sglang_registry(2)))
-        async with AsyncExitStack() as stack:
-            settings = make_settings([{"url": replica.url, "name": "r0", "max_loaded_loras": 2}],
-                                     adapters={"load_on_demand": LOADABLE, "load_path": "/load_lora_adapter"})
-            running = await stack.enter_async_context(run_balancer(settings))
-            loader = running.balancer.adapters
-            async with aiohttp.ClientSession() as http:
-                for model in ("sql", "chat", "chat"):
-                    assert (await complete(http, running.url, model))[0] == 200
-                waiting = RequestFeatures("/v1/completions", model="sql", adapter="sql", prompt_tokens=10)
-                await loader.ensure("/v1/completions", waiting, None, None)
-                try:
-                    # sql, asked for once and longest ago, would be the one to go.
-                    assert (await complete(http, running.url, "sum"))[0] == 200
-                    assert await listed_adapters(http, replica.url) == {"sql", "sum"}
-                finally:
-                    loader.release("sql")
-                assert await unloads(http, running.url) == {'adapter="chat",outcome="unloaded"': 1.0}
+    async with two_registered({"max_loaded_loras": 2}) as (replica, running, http):
+        loader = running.balancer.adapters
+        waiting = RequestFeatures("/v1/completions", model="sql", adapter="sql", prompt_tokens=10)
+        await loader.ensure("/v1/completions", waiting, None, None)
+        try:
+            # sql, asked for once and longest ago, would be the one to go.
+            assert (await complete(http, running.url, "sum"))[0] == 200
+            assert await listed_adapters(http, replica.url) == {"sql", "sum"}
+        finally:
+            loader.release("sql")
+        assert await unloads(http, running.url) == {'adapter="chat",outcome="unloaded"': 1.0}
 
 
 async def test_a_hot_adapter_unloads_another_to_spread_only_when_a_second_load_is_worth_it() -> None:
