@@ -49,14 +49,16 @@ REGISTRY_FULL = "Maximum number of loaded LoRA adapters"
 ERROR_EXCERPT = 200
 # An engine's answer is read this far for the words above, no further.
 MAX_ANSWER_CHARS = 4096
-# Why a load failed when the replica had no adapter kvlb could unload.
-NO_ROOM = "no room"
 # Replicas tried, best first, for an adapter no replica serves, while each has no room.
 MAX_ROOM_TRIES = 3
 
 
 class _NoRoom(ClientError):
     """The chosen replica had no room left when its turn came: the next may."""
+
+
+class _NoRoomLeft(str):
+    """Why `_make_room` could not: no adapter there that kvlb may unload."""
 
 
 class AdapterLoader(Collector):
@@ -204,7 +206,7 @@ class AdapterLoader(Collector):
         if problem is not None:
             self.outcomes[(spec.name, "failed")] += 1
             log.warning("adapter %s: replica %s did not load it: %s", spec.name, replica.name, problem)
-            error = _NoRoom if problem.startswith(NO_ROOM) else ClientError
+            error = _NoRoom if isinstance(problem, _NoRoomLeft) else ClientError
             raise error(503, f"replica {replica.name} could not load adapter {spec.name!r}: {problem}",
                         "adapter_load_failed", type_="service_unavailable", retry_after=5)
         self.outcomes[(spec.name, "loaded")] += 1
@@ -277,9 +279,9 @@ class AdapterLoader(Collector):
         """Unload one adapter from a replica that holds its most; None once it has, else why not."""
         victim = self._victim(replica, spec)
         if victim is None:
-            return (f"{NO_ROOM}: it holds {replica.max_loaded_loras} adapters, its most, and none that kvlb may "
-                    "unload (each is in use, loading, wanted by a request about to be routed, or not among "
-                    "adapters.load_on_demand)"
+            return (_NoRoomLeft(f"no room: it holds {replica.max_loaded_loras} adapters, its most, and none that "
+                                "kvlb may unload (each is in use, loading, wanted by a request about to be "
+                                "routed, or not among adapters.load_on_demand)")
                     if self.settings.unload_to_make_room else
                     f"it holds {replica.max_loaded_loras} adapters, its most (adapters.unload_to_make_room is off)")
         # Not routed there from now on, so no request of kvlb's meets the unload.

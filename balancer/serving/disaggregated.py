@@ -18,15 +18,20 @@ from balancer.errors import ClientError
 from balancer.routing.core import Journey
 from balancer.routing.fleet import Replica
 from balancer.serving import pd_protocol
-from balancer.serving.proxy import RETRY_STATUSES, Outcome, Proxy, adapter_not_loaded, failure_kind
+from balancer.serving.proxy import (
+    ADAPTER_GONE,
+    RETRY_STATUSES,
+    Outcome,
+    Proxy,
+    adapter_not_loaded,
+    failure_kind,
+)
 from balancer.serving.usage import counts_of, learnable, parse_json
 from balancer.wire.client import UpstreamError
 from balancer.wire.server import Headers, Request
 
 # A prefill answer is one token: anything bigger is not one.
 PREFILL_ANSWER_LIMIT = 1 << 20
-# A half that answered 404 for an adapter it no longer holds: no fault of the replica's.
-ADAPTER_GONE = "adapter_gone"
 
 
 class _PairFailed(Exception):

@@ -65,6 +65,8 @@ MAX_RETRY_AFTER_S = 3600.0
 BUFFER_LIMIT_BYTES = 1 << 20
 # An engine's "no such model" answer is a line of JSON; a bigger 404 is not one.
 GONE_BODY_LIMIT = 16 * 1024
+# An attempt answered 404 for an adapter the replica no longer holds: no fault of the replica's.
+ADAPTER_GONE = "adapter_gone"
 
 
 @dataclass(slots=True)
@@ -217,7 +219,7 @@ class Proxy:
                     # room, an operator): the replicas that still hold it take the request.
                     gone.append(replica.name)
                     failures.append(f"{replica.name}: HTTP 404 (adapter {journey.features.adapter!r} gone)")
-                    self.metrics.count_attempt(replica.name, "adapter_gone")
+                    self.metrics.count_attempt(replica.name, ADAPTER_GONE)
                     continue
                 if resp.status in RETRY_STATUSES:
                     failures.append(f"{replica.name}: HTTP {resp.status}")
