@@ -32,7 +32,7 @@ from balancer.serving.admission import Admission
 from balancer.serving.disaggregated import PairForwarder
 from balancer.serving.flow import FlowGate
 from balancer.serving.metrics import NO_REPLICA, Metrics
-from balancer.serving.proxy import Outcome, Proxy, end_broken_response
+from balancer.serving.proxy import ADAPTER_NOT_LOADED, Outcome, Proxy, end_broken_response
 from balancer.serving.request_ids import RequestIds
 from balancer.serving.tokenize import tokenize_remotely
 from balancer.serving.tracing import Tracing
@@ -235,18 +235,31 @@ class Forwarder:
         allowed = request.header(self._allowed_header)
         regions = allowed_regions(allowed) if allowed is not None else None
         adapters = self.adapters if self.adapters is not None and features.model in self.adapters else None
-        try:
-            if adapters is not None:
-                await adapters.ensure(route, features, features.prompt, regions)
-            journey, decode, extra = await self._place(request, route, request_id, outcome, features, parse_s,
-                                                       ticket, regions)
-        finally:
-            if adapters is not None:
-                adapters.release(features.model)
-        if decode is None:
-            await self.proxy.forward(request, journey, request_id, outcome, extra)
-        else:
-            await self.pairs.forward(request, journey, decode, request_id, outcome, extra)
+        earlier: list[str] = []
+        while True:
+            try:
+                if adapters is not None:
+                    await adapters.ensure(route, features, features.prompt, regions)
+                journey, decode, extra = await self._place(request, route, request_id, outcome, features, parse_s,
+                                                           ticket, regions)
+            finally:
+                if adapters is not None:
+                    adapters.release(features.model)
+            journey.attempts[:0] = earlier
+            try:
+                if decode is None:
+                    await self.proxy.forward(request, journey, request_id, outcome, extra)
+                else:
+                    await self.pairs.forward(request, journey, decode, request_id, outcome, extra)
+                return
+            except ClientError as exc:
+                # Every replica it went to had lost the adapter (a peer instance unloaded it
+                # to make room, or an operator did), and nothing reached the client: one that
+                # kvlb may load goes through the loader once more, to a replica holding it
+                # still or one that loads it, rather than back to the client as a 503.
+                if adapters is None or earlier or exc.code != ADAPTER_NOT_LOADED or request.answered:
+                    raise
+                earlier = list(journey.attempts)
 
     async def _place(self, request: Request, route: str, request_id: str, outcome: Outcome, features: RequestFeatures,
                      parse_s: float, ticket: Ticket | None, regions: frozenset[str] | None,

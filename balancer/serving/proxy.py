@@ -67,6 +67,8 @@ BUFFER_LIMIT_BYTES = 1 << 20
 GONE_BODY_LIMIT = 16 * 1024
 # An attempt answered 404 for an adapter the replica no longer holds: no fault of the replica's.
 ADAPTER_GONE = "adapter_gone"
+# The error code when every replica tried had lost the request's adapter.
+ADAPTER_NOT_LOADED = "adapter_not_loaded"
 
 
 @dataclass(slots=True)
@@ -127,7 +129,7 @@ def adapter_not_loaded(adapter: str | None, gone: list[str]) -> ClientError:
     longer routed it, and the client may come back at once."""
     return ClientError(
         503, f"adapter {adapter!r} is no longer loaded on {', '.join(gone)}; "
-        "kvlb routes it elsewhere from now on", "adapter_not_loaded",
+        "kvlb routes it elsewhere from now on", ADAPTER_NOT_LOADED,
         type_="service_unavailable", retry_after=1)
 
 

@@ -421,6 +421,29 @@ async def test_an_adapter_unloaded_behind_kvlbs_back_is_retried_where_it_still_i
                 assert status == 404 and body["error"]["code"] == "model_not_found", body
 
 
+async def test_a_loadable_adapter_unloaded_behind_kvlbs_back_is_loaded_again_for_the_request() -> None:
+    # A peer instance made room, or an operator unloaded it: the replica kvlb routes it to
+    # answers 404. The adapter is one kvlb may load, so the client gets its answer, not a 503.
+    args = ["--model", BASE, "--enable-lora", "--allow-runtime-lora-updating", "--lora-modules", "sql=/adapters/sql",
+            "--max-loras", "1", "--time-scale", "20"]
+    loadable = [{"name": "sql", "path": "/adapters/sql", "base": BASE}]
+    with ReplicaProcess(args) as replica:
+        async with AsyncExitStack() as stack:
+            settings = make_settings([{"url": replica.url, "name": "r0"}], adapters={"load_on_demand": loadable})
+            running = await stack.enter_async_context(run_balancer(settings))
+            async with aiohttp.ClientSession() as http:
+                assert (await complete(http, running.url, "sql"))[0] == 200
+                async with http.post(replica.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"}) as resp:
+                    assert resp.status == 200
+                status, headers, body = await complete(http, running.url, "sql")
+                assert status == 200 and headers["x-kvlb-replica"] == "r0", body
+                assert "sql" in await listed_adapters(http, replica.url)
+                async with http.get(running.url + "/metrics") as resp:
+                    metrics = await resp.text()
+                assert 'kvlb_upstream_attempts_total{outcome="adapter_gone",replica="r0"} 1.0' in metrics
+                assert 'kvlb_adapter_loads_total{adapter="sql",outcome="loaded"} 1.0' in metrics
+
+
 async def test_a_404_that_does_not_name_the_adapter_leaves_it_where_it_is() -> None:
     # The replica has no embeddings route: its 404 is about the route, not the adapter, and
     # is relayed as it is; the adapter stays routed there.
