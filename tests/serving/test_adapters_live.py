@@ -516,3 +516,45 @@ async def test_a_hot_adapter_unloads_another_to_spread_only_when_a_second_load_i
                 assert "sql" in listed and len(listed) == 2
                 assert sum((await unloads(http, running.url)).values()) == 1
                 r0.prefill_tokens_queued -= 120_000
+
+
+async def test_a_load_passes_to_the_next_replica_when_the_first_has_no_room_left_at_its_turn() -> None:
+    # r0 keeps one adapter registered, f1, idle: room for sql once f1 goes, and r1's queue
+    # makes r0 the first choice. While sql's load waits its turn on r0 (a load or unload
+    # under way there), a request for f1 comes through the loader, so f1 may not go.
+    loadable = [{"name": name, "path": f"/adapters/{name}", "base": BASE} for name in ("sql", "f1")]
+    with ExitStack() as processes:
+        replicas = [processes.enter_context(ReplicaProcess(sglang_registry(1, "f1=/adapters/f1"))),
+                    processes.enter_context(ReplicaProcess(sglang_registry(2)))]
+        async with AsyncExitStack() as stack:
+            entries = [{"url": r.url, "name": f"r{i}", "max_loaded_loras": i + 1} for i, r in enumerate(replicas)]
+            settings = make_settings(entries, policy={"name": "predictive", "seed": 0},
+                                     adapters={"load_on_demand": loadable, "load_path": "/load_lora_adapter"})
+            running = await stack.enter_async_context(run_balancer(settings))
+            http = await stack.enter_async_context(aiohttp.ClientSession())
+            loader = running.balancer.adapters
+            r0, r1 = running.balancer.fleet.by_name["r0"], running.balancer.fleet.by_name["r1"]
+            r1.prefill_tokens_queued += 200_000
+            turn = loader._lock_of(r0)
+            await turn.acquire()
+            sql = asyncio.create_task(complete(http, running.url, "sql"))
+            try:
+                for _ in range(100):
+                    if "sql" in loader._loading:
+                        break
+                    await asyncio.sleep(0.02)
+                assert "sql" in loader._loading
+                await asyncio.sleep(0.2)  # its load is waiting for r0
+                f1 = RequestFeatures("/v1/completions", model="f1", adapter="f1", prompt_tokens=10)
+                await loader.ensure("/v1/completions", f1, None, None)
+            finally:
+                turn.release()
+            try:
+                status, headers, body = await asyncio.wait_for(sql, 30)
+            finally:
+                loader.release("f1")
+                r1.prefill_tokens_queued -= 200_000
+            assert status == 200 and headers["x-kvlb-replica"] == "r1", body
+            assert await listed_adapters(http, replicas[0].url) == {"f1"}
+            assert await listed_adapters(http, replicas[1].url) == {"sql"}
+            assert await unloads(http, running.url) == {}
