@@ -393,7 +393,7 @@ class RoutingCore:
             # replica's own: behind a queue the waits the model does not see (KV memory,
             # the queue's order) would be read as a slow term.
             terms.observe(observed_ms, parts, unshaped_ms)
-        error = fit.observe(observed_ms, model_ms, prior, journey.alone, now)
+        error = fit.observe(observed_ms, model_ms, prior, journey.alone, now, queued=not journey.alone)
         if error is not None and predicted_ms > 0:
             return observed_ms / predicted_ms
         return error

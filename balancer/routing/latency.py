@@ -29,7 +29,8 @@ that found the replica's prefill queue empty can confirm (`confirmable`): there 
 prediction is the replica's own prefill, which the model knows well, while an overloaded
 fleet departs from the model everywhere at once (requests waiting for KV memory, which the
 model does not see), and jumping on those errors misranked replicas of one kind (shared
-trace at 4x on 8 replicas: TTFT p99 13.3 s against 5.9 s without jumps).
+trace at 4x on 8 replicas: TTFT p99 13.3 s against 5.9 s without jumps). For the same
+reason the other answers teach at a quarter of the weight and by small steps (`queued`).
 
 Beside each multiplier, `term_fit.py` fits the same answers term by term (the shape of the
 replica's speed, not only its level).
@@ -50,6 +51,17 @@ ALPHA = 0.2
 MAX_STEP = math.log(1.5)
 # Below this predicted time the ratio is noise (the network, not the engine): not learned.
 MIN_PREDICTED_MS = 1.0
+
+# An answer that waited behind other prompts' prefill teaches at this weight, by at most
+# this step (a factor of 1.1): its error mixes the replica's speed with waits the model does
+# not see, KV memory above all, which shift from moment to moment on replicas of one kind.
+# At the full weight, 256 chat tenants on 4 replicas in overload had identical replicas'
+# fits swinging between 1x and 16x within seconds (live) and were ranked on that noise
+# (offline, seed 0: TTFT p99 1,249 ms against 854 at this weight); congestion that lasts (a
+# replica behind long prompts on the shared trace at 4x) still moves its price, over a few
+# dozen answers.
+QUEUED_ALPHA = 0.05
+QUEUED_MAX_STEP = math.log(1.1)
 
 # Answers in a row, each this far from the fit on one side, that confirm a change.
 SHIFT_RUN = 3
@@ -94,7 +106,7 @@ class LatencyFit:
         return False
 
     def observe(self, observed_ms: float, model_ms: float, prior: float | None = None,
-                confirmable: bool = False, now: float | None = None) -> float | None:
+                confirmable: bool = False, now: float | None = None, queued: bool = False) -> float | None:
         """One sample: `model_ms` is the profile's prediction before the multiplier.
         Returns observed over the prediction with the multiplier as it was (the error), or
         None when the sample teaches nothing.
@@ -106,7 +118,8 @@ class LatencyFit:
         that much faster and kept the traffic that could teach it.
 
         `confirmable`: the sample may count toward a run that confirms a change (see the
-        module's text); any other sample ends a run."""
+        module's text); any other sample ends a run. `queued`: the answer waited behind
+        other prompts' prefill, and teaches at QUEUED_ALPHA."""
         if not (model_ms >= MIN_PREDICTED_MS and observed_ms > 0) or not math.isfinite(observed_ms):
             return None
         if self.samples == 0 and prior is not None and MIN_SCALE <= prior <= MAX_SCALE:
@@ -129,11 +142,12 @@ class LatencyFit:
             run.clear()
             self.evidence = max(self.evidence, CONFIRMED_EVIDENCE)
         else:
-            step = ALPHA * off
-            if step > MAX_STEP:
-                step = MAX_STEP
-            elif step < -MAX_STEP:
-                step = -MAX_STEP
+            alpha, most = (QUEUED_ALPHA, QUEUED_MAX_STEP) if queued else (ALPHA, MAX_STEP)
+            step = alpha * off
+            if step > most:
+                step = most
+            elif step < -most:
+                step = -most
             log_scale = self._log_scale + step
         self._log_scale = min(_LOG_MAX, max(_LOG_MIN, log_scale))
         self.scale = math.exp(self._log_scale)

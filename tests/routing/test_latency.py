@@ -78,6 +78,26 @@ def test_a_run_broken_by_an_ordinary_answer_or_taught_under_a_queue_confirms_not
     assert queued.scale < 2.5 and queued.evidence == queued.samples
 
 
+def test_answers_that_waited_behind_a_queue_move_the_fit_slowly() -> None:
+    # Identical replicas in overload: each answer's wait for KV memory, unseen by the model,
+    # swings from 1x to 16x of the prediction. Taught by them, the fit must not chase it.
+    swinging, alone = LatencyFit(), LatencyFit()
+    seen: dict[str, list[float]] = {"swinging": [], "alone": []}
+    for i in range(80):
+        swinging.observe(1600.0 if i % 4 == 0 else 100.0, 100.0, queued=True)
+        alone.observe(1600.0 if i % 4 == 0 else 100.0, 100.0)
+        seen["swinging"].append(swinging.scale)
+        seen["alone"].append(alone.scale)
+    late = {name: scales[40:] for name, scales in seen.items()}
+    assert max(late["swinging"]) / min(late["swinging"]) < 1.2
+    assert max(late["alone"]) / min(late["alone"]) > 1.4
+    # A wait that lasts (a replica stuck behind long prompts) still shows, within dozens.
+    stuck = LatencyFit()
+    for _ in range(40):
+        stuck.observe(400.0, 100.0, queued=True)
+    assert 2.5 < stuck.scale <= 4.0
+
+
 def test_only_an_attempt_that_found_its_replicas_prefill_queue_empty_may_confirm() -> None:
     now = [0.0]
     core, fleet = _core(now)
