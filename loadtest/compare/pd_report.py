@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation against colocated serving, offline, on the same requests.
 
     python -m loadtest.compare.pd_report --out docs/compare/disaggregation [--seeds 0,1,2]
+        [--long-rates 3,5,7] [--splits 4+4:sglang,5+3:sglang,6+2:sglang,4+4:vllm]
 
 Eight llama-3.1-8b-h100 replicas, one 8-GPU host, either all colocated (each prefills and
 decodes) or split into a prefill pool and a decode pool (one `host` label, so a transfer
@@ -55,6 +56,16 @@ def run(spec: str, fleet: FleetPlan, seed: int, protocol: str = "sglang") -> dic
     return summary
 
 
+def _split(text: str) -> tuple[int, int, str]:
+    pools, _, protocol = text.partition(":")
+    prefill, plus, decode = pools.partition("+")
+    if not plus or protocol not in ("sglang", "vllm") or not (prefill.isdigit() and decode.isdigit()):
+        raise ValueError(f"a split is PREFILL+DECODE:sglang|vllm, got {text!r}")
+    if int(prefill) < 1 or int(decode) < 1:
+        raise ValueError(f"each pool needs a replica, got {text!r}")
+    return int(prefill), int(decode), protocol
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:,.0f}"
 
@@ -73,20 +84,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="directory for report.md")
     parser.add_argument("--seeds", default="0")
+    parser.add_argument("--long-rates", default=",".join(f"{r:g}" for r in LONG_RATES),
+                        help="requests/s of the long-prompt workload")
+    parser.add_argument("--splits", default=",".join(f"{p}+{d}:{proto}" for p, d, proto in SPLITS),
+                        help="split fleets, each PREFILL+DECODE:PROTOCOL (sglang or vllm)")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
+    try:
+        long_rates = [float(r) for r in args.long_rates.split(",")]
+        splits = [_split(text) for text in args.splits.split(",")]
+    except ValueError as e:
+        parser.error(str(e))
     lines = ["# Prefill/decode disaggregation against colocated serving", "",
              f"Offline, {REPLICAS} x llama-3.1-8b-h100, policy `predictive`, seeds {args.seeds}. Times in ms "
              "of model time. Reproduce: `python -m loadtest.compare.pd_report --out DIR"
-             + (f" --seeds {args.seeds}`" if args.seeds != "0" else "`"), ""]
+             + "".join(f" --{name.replace('_', '-')} {value}" for name, value, default in (
+                 ("seeds", args.seeds, "0"), ("long_rates", args.long_rates, parser.get_default("long_rates")),
+                 ("splits", args.splits, parser.get_default("splits"))) if value != default) + "`", ""]
     for seed in seeds:
         lines += [f"## Long prompts, seed {seed}", "", f"`{LONG}` at each rate.", ""]
-        for rate in LONG_RATES:
+        for rate in long_rates:
             spec = f"{LONG},rate={rate:g}"
             lines += [f"### {rate:g} requests/s", "", HEADER]
             colocated = run(spec, uniform_fleet(REPLICAS), seed)
             lines.append(_row(f"{REPLICAS} colocated", colocated) + " |")
-            for prefill, decode, protocol in SPLITS:
+            for prefill, decode, protocol in splits:
                 split = run(spec, split_fleet(prefill, decode), seed, protocol)
                 label = f"{prefill} prefill + {decode} decode" + (", vLLM's protocol" if protocol == "vllm" else "")
                 lines.append(_row(label, split))

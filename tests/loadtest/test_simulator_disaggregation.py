@@ -3,8 +3,11 @@ prefill replica's work and the transfer come before the decode replica's first t
 
 from __future__ import annotations
 
+import pytest
+
 from balancer.config import DisaggregationSettings, PolicySettings
 from loadtest.client.workloads import load_workload
+from loadtest.compare import pd_report
 from loadtest.simulator.fleetspec import parse_fleet, uniform_fleet
 from loadtest.simulator.simulator import simulate
 
@@ -78,3 +81,11 @@ def test_decode_halves_fit_their_replicas_decode_speed_and_a_slow_one_gets_fewer
             slow, *fast = sorted(decode, key=lambda r: -r.itl_scale)
             assert slow.name == "replica-4" and slow.itl_scale > 1.5 * max(r.itl_scale for r in fast)
     assert shares[True] < 0.6 * shares[False], shares
+
+
+def test_the_report_refuses_a_split_it_cannot_build(capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("4x4:vllm", "4+4:nixl", "0+8:sglang", "4+4"):
+        with pytest.raises(SystemExit) as exited:
+            pd_report.main(["--splits", bad])
+        assert exited.value.code == 2
+    assert "PREFILL+DECODE" in capsys.readouterr().err
