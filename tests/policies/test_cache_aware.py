@@ -413,3 +413,34 @@ def test_a_replica_holding_the_adapter_wins_unless_blind_to_adapters():
     assert terms["other"]["wait_ms"] == pytest.approx(500.0)  # its prompt cached: the load is all its wait
     blind = CacheAwarePolicy(seed=0, adapter_weight=0).rank(request, [other, holding])
     assert blind[0].replica is other and all(c.terms["adapter"] == 0 for c in blind)
+
+
+def test_an_overloaded_fleet_waits_where_the_adapter_is_rather_than_stall_a_queue_with_a_load():
+    # Both replicas have a long prefill backlog. For this request alone, loading the adapter
+    # beside the shorter queue is cheaper; but the load stalls that replica for 500 ms and
+    # everyone queued there waits it out. On a fleet with an idle replica a load costs only
+    # its own time.
+    from balancer.routing.adapters import AdapterSlots
+
+    holding = FakeReplica("holding", prefill_tokens_queued=90_000)
+    loading = FakeReplica("loading", prefill_tokens_queued=60_000)
+    for replica in (holding, loading):
+        replica.adapter_slots = AdapterSlots(2, 500.0)
+    holding.adapter_slots.started("sql")
+    holding.adapter_slots.ended("sql")
+    request = RequestFeatures("/v1/completions", prompt_tokens=64, adapter="sql")
+    ties = {"tie_tolerance_tokens": 0, "tie_tolerance_ratio": 0}
+    assert CacheAwarePolicy(seed=0, overload_load_weight=0, **ties).rank(request, [loading, holding])[0].replica is loading
+    ranked = CacheAwarePolicy(seed=0, **ties).rank(request, [loading, holding])
+    assert ranked[0].replica is holding
+    assert ranked[1].terms["adapter"] > 4 * 500.0 * 43.0  # the load at nearly five times its time
+    # With the shorter queue empty, the load beside it is worth it.
+    holding.prefill_tokens_queued, loading.prefill_tokens_queued = 45_000, 0
+    ranked = CacheAwarePolicy(seed=0, **ties).rank(request, [loading, holding])
+    assert ranked[0].replica is loading
+    assert ranked[0].terms["adapter"] == pytest.approx(500.0 * 43.0)
+
+
+def test_the_overload_load_weight_is_checked():
+    with pytest.raises(ValueError, match="overload_load_weight"):
+        CacheAwarePolicy(overload_load_weight=-1)
