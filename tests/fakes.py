@@ -28,3 +28,16 @@ class FakeReplica:
     ttft_terms: tuple[float, ...] | None = None
     itl_terms: tuple[float, ...] | None = None
     adapter_slots: AdapterSlots = field(default_factory=lambda: AdapterSlots(1, 100.0))
+
+
+def holder_and_loader(holding_queued: int, loading_queued: int, adapter: str = "sql",
+                      load_ms: float = 500.0) -> tuple[FakeReplica, FakeReplica]:
+    """Two replicas with two adapter slots each, backlogs as given: `holding` has `adapter`
+    loaded and idle, `loading` would have to load it."""
+    holding = FakeReplica("holding", prefill_tokens_queued=holding_queued)
+    loading = FakeReplica("loading", prefill_tokens_queued=loading_queued)
+    for replica in (holding, loading):
+        replica.adapter_slots = AdapterSlots(2, load_ms)
+    holding.adapter_slots.started(adapter)
+    holding.adapter_slots.ended(adapter)
+    return holding, loading

@@ -16,7 +16,7 @@ import pytest
 from policies.base import Choice, ReplicaView, RequestFeatures
 from policies.cache_aware import CacheAwarePolicy
 from policies.registry import POLICIES, make_policy
-from tests.fakes import FakeReplica
+from tests.fakes import FakeReplica, holder_and_loader
 
 TERM_NAMES = {"cached", "uncached", "queued", "decode", "locality", "adapter", "cost", "wait_ms", "tier"}
 
@@ -420,14 +420,7 @@ def test_an_overloaded_fleet_waits_where_the_adapter_is_rather_than_stall_a_queu
     # beside the shorter queue is cheaper; but the load stalls that replica for 500 ms and
     # everyone queued there waits it out. On a fleet with an idle replica a load costs only
     # its own time.
-    from balancer.routing.adapters import AdapterSlots
-
-    holding = FakeReplica("holding", prefill_tokens_queued=90_000)
-    loading = FakeReplica("loading", prefill_tokens_queued=60_000)
-    for replica in (holding, loading):
-        replica.adapter_slots = AdapterSlots(2, 500.0)
-    holding.adapter_slots.started("sql")
-    holding.adapter_slots.ended("sql")
+    holding, loading = holder_and_loader(90_000, 60_000)
     request = RequestFeatures("/v1/completions", prompt_tokens=64, adapter="sql")
     ties = {"tie_tolerance_tokens": 0, "tie_tolerance_ratio": 0}
     assert CacheAwarePolicy(seed=0, overload_load_weight=0, **ties).rank(request, [loading, holding])[0].replica is loading

@@ -17,7 +17,7 @@ from balancer.routing.adapters import AdapterDemand, AdapterSlots
 from policies.base import MODEL_ITL_PARTS, MODEL_TTFT_PARTS, TTFT_TERM, RequestFeatures
 from policies.predictive import PredictivePolicy
 from policies.registry import POLICIES, make_policy
-from tests.fakes import FakeReplica
+from tests.fakes import FakeReplica, holder_and_loader
 
 TERMS = {"cached", "output_tokens", "model_itl_ms", "decode_speed", "ttft_ms", "model_ttft_ms", "decode_ms", "fleet_ms", "locality_ms", "busy", "speed",
          "cost", "wait_ms", "tier", "adapter_ms", "evict_ms", "copy_credit_ms"}
@@ -336,12 +336,7 @@ def test_an_overloaded_fleet_waits_where_the_adapter_is_rather_than_stall_a_queu
     # the adapter beside the shorter queue is faster; but the load stalls that replica for
     # 500 ms, and everyone queued there waits it out. On an idle fleet a load costs only the
     # request's own wait.
-    holding = FakeReplica("holding", prefill_tokens_queued=90_000)
-    loading = FakeReplica("loading", prefill_tokens_queued=30_000)
-    for replica in (holding, loading):
-        replica.adapter_slots = AdapterSlots(2, 500.0)
-    holding.adapter_slots.started("sql")
-    holding.adapter_slots.ended("sql")
+    holding, loading = holder_and_loader(90_000, 30_000)
     ties = {"tie_tolerance_ms": 0, "tie_tolerance_ratio": 0}
     ranked = PredictivePolicy(seed=0, **ties).rank(_adapter_request(), [loading, holding])
     terms = {c.replica.name: c.terms for c in ranked}
