@@ -98,9 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["# Prefill/decode disaggregation against colocated serving", "",
              f"Offline, {REPLICAS} x llama-3.1-8b-h100, policy `predictive`, seeds {args.seeds}. Times in ms "
              "of model time. Reproduce: `python -m loadtest.compare.pd_report --out DIR"
-             + "".join(f" --{name.replace('_', '-')} {value}" for name, value, default in (
-                 ("seeds", args.seeds, "0"), ("long_rates", args.long_rates, parser.get_default("long_rates")),
-                 ("splits", args.splits, parser.get_default("splits"))) if value != default) + "`", ""]
+             + "".join(f" --{name.replace('_', '-')} {getattr(args, name)}" for name in ("seeds", "long_rates", "splits")
+                       if getattr(args, name) != parser.get_default(name)) + "`", ""]
     for seed in seeds:
         lines += [f"## Long prompts, seed {seed}", "", f"`{LONG}` at each rate.", ""]
         for rate in long_rates:
