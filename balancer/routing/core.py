@@ -19,8 +19,8 @@ and passes the time in:
     usage       `learn(journey, prompt tokens, cached tokens)`: the replica's own figures
     output      `learned_output(journey, output tokens, now)`: the answer's length once it
                 ended, and, streamed, its time per output token, which fits the replica's
-                decode speed
-    finish      `end_attempt(journey, answered)`: the load leaves, the index keeps or
+                decode speed against the batch it decoded beside (`Replica.batch_at`)
+    finish      `end_attempt(journey, answered, now)`: the load leaves, the index keeps or
                 forgets what the attempt recorded
 
 Both drivers run exactly these steps, so a decision taken offline is the decision `kvlb
@@ -98,6 +98,10 @@ class Journey:
     first_byte_at: float | None = None  # when the attempt's answer started, for the decode fit
     # Its replica's `prefill_ms_started` then: the prefill started there since stalled its decode.
     stall_mark_ms: float = 0.0
+    # Its replica's decode batch (sequences, their context tokens), this attempt's own
+    # included, as `model_itl_ms` priced it; and that batch's area when its answer began.
+    batch_sent: tuple[int, int] = (0, 0)
+    batch_from: tuple[float, float, float] | None = None
     # The attempt found its replica's prefill queue empty: its answer may confirm a change of
     # the replica's speed (latency.py).
     alone: bool = False
@@ -344,6 +348,7 @@ class RoutingCore:
             # sequence decoding there (the token term also holds the queue ahead of it).
             replica.prefill_ms_started += parts[1] * uncached / (queued + uncached) + parts[2]
         context = journey.context = journey.features.prompt_tokens
+        replica.batch_at(now)
         replica.context_tokens += context
         if journey.features.adapter is not None:
             load = journey.load_ms = replica.adapter_slots.started(journey.features.adapter)
@@ -354,6 +359,8 @@ class RoutingCore:
         # It holds a batch slot from now on: a non-streaming answer's first byte is its last,
         # so waiting for it to count the request as decoding would miss its whole decode.
         replica.decoding += 1
+        journey.batch_sent = (replica.decoding, replica.context_tokens)
+        journey.batch_from = None
         return replica
 
     def first_byte(self, journey: Journey, now: float | None = None) -> float | None:
@@ -370,6 +377,7 @@ class RoutingCore:
             journey.load_ms = 0.0
         journey.phase = DECODING
         journey.first_byte_at = now
+        journey.batch_from = replica.batch_at(now)
         journey.stall_mark_ms = replica.prefill_ms_started
         tracker = self.tracker
         if journey.routed is not None and tracker is not None:
@@ -427,6 +435,7 @@ class RoutingCore:
                 or output_tokens < 2 or journey.model_itl_ms <= 0):
             return None
         per_token_ms = (now - started) * 1000.0 / (output_tokens - 1)
+        self._price_batch_decoded(journey, replica, now)
         fit = replica.decode_latency
         prior = self._median_fit(True) if fit.samples == 0 else None
         if journey.itl_parts:
@@ -437,6 +446,31 @@ class RoutingCore:
             replica.itl_terms_fit.observe(per_token_ms, journey.itl_parts,
                                           journey.model_itl_ms - sum(journey.itl_parts) + stalls_ms)
         return fit.observe(per_token_ms, journey.model_itl_ms, prior, now=now)
+
+    def _price_batch_decoded(self, journey: Journey, replica: Replica, now: float) -> None:
+        """Reprice the answer's time per token at the batch it decoded beside, on average,
+        rather than the one its replica had when it was sent: a batch that grew or drained
+        meanwhile is the model's to predict, not the replica's speed. Fitted against the
+        batch at the start, replicas of one kind in a fleet filling up (256 chat tenants on
+        4 replicas, offline) were set more than 2x apart by when each answer happened to be
+        sent, and requests fled the replicas that held their prompts."""
+        area, start = replica.batch_at(now), journey.batch_from
+        if area is None or start is None or not area[0] > start[0]:
+            return
+        elapsed = area[0] - start[0]
+        sequences = (area[1] - start[1]) / elapsed
+        context = (area[2] - start[2]) / elapsed
+        _fixed, per_seq_ms, per_context_ms = self.policy_for(journey.features.model).decode_iteration()
+        sent_sequences, sent_context = journey.batch_sent
+        iteration_ms = per_seq_ms * (sequences - sent_sequences) / replica.weight
+        context_ms = per_context_ms * (context - sent_context) / replica.weight
+        parts = journey.itl_parts
+        if len(parts) == 2:
+            if not (parts[0] + iteration_ms > 0 and parts[1] + context_ms > 0):
+                return
+            journey.itl_parts = (parts[0] + iteration_ms, parts[1] + context_ms)
+        if journey.model_itl_ms + iteration_ms + context_ms > 0:
+            journey.model_itl_ms += iteration_ms + context_ms
 
     def _median_fit(self, decode: bool) -> float | None:
         """The median of the fleet's fitted multipliers, where some replica has one: where a
@@ -469,8 +503,9 @@ class RoutingCore:
             self.went_out(replica, now)
         return ejected
 
-    def end_attempt(self, journey: Journey, *, answered: bool) -> Replica:
-        """The attempt is over, however it ended. Returns its replica."""
+    def end_attempt(self, journey: Journey, *, answered: bool, now: float | None = None) -> Replica:
+        """The attempt is over, however it ended. Returns its replica. `now`, where the
+        driver has it, times the batch's change (`Replica.batch_at`)."""
         replica = journey.replica
         assert replica is not None
         phase = journey.phase
@@ -479,6 +514,7 @@ class RoutingCore:
             if journey.load_ms:
                 replica.adapter_slots.load_over(journey.load_ms)
                 journey.load_ms = 0.0
+        replica.batch_at(now)
         replica.decoding -= 1
         replica.in_flight -= 1
         replica.context_tokens -= journey.context

@@ -24,7 +24,7 @@ class Replica:
         "declared_model", "in_flight", "healthy", "discovered_models", "model_cards",
         "prefill_tokens_queued", "decoding", "breaker", "draining", "settings",
         "remote_in_flight", "remote_prefill_tokens_queued", "remote_decoding", "remote_context_tokens",
-        "context_tokens", "latency", "decode_latency", "ttft_terms_fit", "itl_terms_fit", "prefill_ms_started",
+        "context_tokens", "batch_area", "latency", "decode_latency", "ttft_terms_fit", "itl_terms_fit", "prefill_ms_started",
         "adapter_slots", "discovered_adapters", "engine_max_loras", "engine_max_loaded_loras",
         "adapters_changed",
     )
@@ -52,6 +52,9 @@ class Replica:
         self.remote_context_tokens = 0
         # The prompt tokens of the requests it is serving: the context its decode batch reads.
         self.context_tokens = 0
+        # (when, ∫decoding dt, ∫context_tokens dt) up to then: the decode batch an answer
+        # streamed beside, on average (`batch_at`).
+        self.batch_area: tuple[float, float, float] | None = None
         self.latency = LatencyFit()  # time to first token: prefill and queue
         self.decode_latency = LatencyFit()  # time between output tokens: the decode batch
         # Each term of those two predictions fitted apart (balancer/routing/term_fit.py).
@@ -158,6 +161,22 @@ class Replica:
         self.remote_prefill_tokens_queued = prefill_tokens_queued
         self.remote_decoding = decoding
         self.remote_context_tokens = context_tokens
+
+    def batch_at(self, now: float | None) -> tuple[float, float, float] | None:
+        """The batch's area brought up to `now`. The routing core calls it before each change
+        of `decoding` or `context_tokens` it makes; other instances' shares change without a
+        clock, so the interval before one counts at its new level (one sync period at most).
+        None: the replica has not been timed yet, or `now` is None."""
+        area = self.batch_area
+        if now is None:
+            return area
+        if area is None:
+            area = (now, 0.0, 0.0)
+        elif now > area[0]:
+            elapsed = now - area[0]
+            area = (now, area[1] + self.decoding * elapsed, area[2] + self.context_tokens * elapsed)
+        self.batch_area = area
+        return area
 
     def local_load(self) -> tuple[int, int, int, int, int]:
         """This instance's own (in flight, queued prefill tokens, decoding, their context

@@ -65,7 +65,7 @@ class PairForwarder:
                 break
             d = core.next_attempt(decode, loop.time())
             if d is None:
-                core.end_attempt(prefill, answered=False)
+                core.end_attempt(prefill, answered=False, now=loop.time())
                 break
             outcome.replica = d.name
             answered = False
@@ -83,8 +83,8 @@ class PairForwarder:
                     proxy._ejected(failed.replica, failed.kind)
             finally:
                 if prefill.replica is not None:
-                    core.end_attempt(prefill, answered=answered)
-                core.end_attempt(decode, answered=answered)
+                    core.end_attempt(prefill, answered=answered, now=loop.time())
+                core.end_attempt(decode, answered=answered, now=loop.time())
         if gone and len(gone) == len(failures):
             raise adapter_not_loaded(prefill.features.adapter, gone)
         raise ClientError(502, f"all {len(failures)} pair(s) failed: " + "; ".join(failures),

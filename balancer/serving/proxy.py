@@ -254,7 +254,7 @@ class Proxy:
             finally:
                 if resp is not None:
                     resp.close()
-                core.end_attempt(journey, answered=answered)
+                core.end_attempt(journey, answered=answered, now=loop.time())
                 if trace is not None:
                     trace.attempt_ended(attempt)
         if gone and len(gone) == len(failures):

@@ -512,14 +512,14 @@ class Simulator:
         except ContextLengthError as exc:
             # The replica's own 400, relayed to the client as the proxy relays it.
             self.core.answered(journey, self.now, True, None)
-            self.core.end_attempt(journey, answered=True)
+            self.core.end_attempt(journey, answered=True, now=self.now)
             self._record_error(flight.request, 400, str(exc))
             self._leave(flight.request)
             return
         except QueueFullError as exc:
             # A 503 without Retry-After: the replica's fault, and the next choice is tried.
             self.core.failed(journey, self.now)
-            self.core.end_attempt(journey, answered=False)
+            self.core.end_attempt(journey, answered=False, now=self.now)
             self._attempt(flight, parsed, str(exc))
             return
         flight.seq = seq
@@ -549,7 +549,7 @@ class Simulator:
         if journey.reads_answer:  # as the proxy does
             core.learned_output(journey, seq.num_generated, self.now)
         core.answered(journey, self.now, True, None)
-        core.end_attempt(journey, answered=True)
+        core.end_attempt(journey, answered=True, now=self.now)
         request = flight.request
         if flight.decode is not None:
             self._to_decode(flight, seq, node)

@@ -190,6 +190,49 @@ def test_the_core_fits_decode_speed_from_streamed_answers_of_more_than_one_token
     assert replica.ttft_scale != 1.0 or not stream  # the other fit is the first bytes'
 
 
+@pytest.mark.parametrize("batch_grows", [True, False])
+def test_an_answer_is_fitted_against_the_batch_it_decoded_beside_not_the_one_it_was_sent_to(
+        batch_grows: bool) -> None:
+    # A fleet filling up: each answer starts beside an empty batch and decodes beside thirty
+    # sequences that arrived after it, at the pace the model gives thirty. That is the
+    # model's doing, not a slow replica. The same pace with no one beside it is.
+    now = [0.0]
+    core, fleet = _core(now)
+    replica = fleet.replicas[0]
+    _fixed, per_seq_ms, per_context_ms = core.policy_for(None).decode_iteration()
+    tokens = 100
+    for i in range(15):
+        start = 10.0 * i
+        features = RequestFeatures("/v1/completions", stream=True)
+        journey = core.plan("/v1/completions", features, PROMPT + str(i), fleet.replicas)
+        core.next_attempt(journey, start)
+        first = start + 0.05
+        core.first_byte(journey, first)
+        sent_context = replica.context_tokens
+        others = []
+        for j in range(30):
+            other = core.plan("/v1/completions", RequestFeatures("/v1/completions", stream=True),
+                              f"{PROMPT * 5} {i} {j}", fleet.replicas)
+            core.next_attempt(other, first)
+            others.append(other)
+        grown_ms = journey.model_itl_ms + 30 * per_seq_ms + per_context_ms * (replica.context_tokens - sent_context)
+        slower = grown_ms / journey.model_itl_ms
+        if not batch_grows:
+            for other in others:
+                core.end_attempt(other, answered=False, now=first)
+        end = first + grown_ms / 1000.0 * (tokens - 1)
+        core.learned_output(journey, tokens, end)
+        core.end_attempt(journey, answered=True, now=end)
+        if batch_grows:
+            for other in others:
+                core.end_attempt(other, answered=False, now=end)
+    assert replica.decode_latency.samples == 15
+    if batch_grows:
+        assert replica.itl_scale == pytest.approx(1.0, abs=0.02)
+    else:
+        assert slower > 1.5 and replica.itl_scale == pytest.approx(slower, rel=0.1)
+
+
 def test_a_first_sample_starts_from_the_fleets_median_not_the_profile() -> None:
     # Replicas sped up tenfold: the fleet's fits sit near 0.1. A newcomer's first answer, as
     # fast as theirs, must put it beside them, not at the 1/1.5 a clipped step from 1.0 gives.
