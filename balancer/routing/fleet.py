@@ -163,10 +163,11 @@ class Replica:
         self.remote_context_tokens = context_tokens
 
     def batch_at(self, now: float | None) -> tuple[float, float, float] | None:
-        """The batch's area brought up to `now`. The routing core calls it before each change
-        of `decoding` or `context_tokens` it makes; other instances' shares change without a
-        clock, so the interval before one counts at its new level (one sync period at most).
-        None: the replica has not been timed yet, or `now` is None."""
+        """The batch's area brought up to `now`; with `now` None, the area as last brought up
+        (None until the replica is first timed). The routing core calls it before each change
+        of `decoding` or `context_tokens` it makes. Other instances' shares change without a
+        clock, so the time since the core last called it counts at their new level: an error
+        of one snapshot's change over an interval of this instance's own traffic."""
         area = self.batch_area
         if now is None:
             return area
