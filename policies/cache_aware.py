@@ -58,16 +58,15 @@ from typing import Any
 
 from policies.base import LOAD_TERM, Choice, Policy, ReplicaView, RequestFeatures
 from policies.costs import (
+    BUSY_REFERENCE_MS,
     OVERFLOW_TIER,
     fraction_param,
     locality,
     number_param,
     rank_with_tiers,
     region_penalties,
+    saturation,
 )
-
-# The backlog at which β is one half: as `predictive`'s busy_reference_ms.
-BUSY_REFERENCE_MS = 30.0
 
 
 class CacheAwarePolicy(Policy):
@@ -169,7 +168,7 @@ class CacheAwarePolicy(Policy):
         tokens) over itself plus BUSY_REFERENCE_MS of prefill."""
         rate = self.prefill_tokens_per_ms
         shortest = min((r.prefill_tokens_queued + r.adapter_slots.loading_ms * rate) / r.weight for r in replicas)
-        return shortest / (shortest + BUSY_REFERENCE_MS * rate) if shortest > 0 else 0.0
+        return saturation(shortest, BUSY_REFERENCE_MS * rate)
 
     def rank(self, request: RequestFeatures, replicas: Sequence[ReplicaView]) -> list[Choice]:
         prompt = request.prompt_tokens

@@ -1,5 +1,6 @@
 """What the cost-ranking policies (cache_aware, predictive) share: checked parameters, the
-locality penalty, and the jittered order with overflow replicas held back."""
+locality penalty, how saturated the fleet is, and the jittered order with overflow replicas
+held back."""
 
 from __future__ import annotations
 
@@ -10,6 +11,16 @@ from typing import Any
 from policies.base import Choice
 
 OVERFLOW_TIER = "overflow"
+
+# The shortest candidate backlog, in ms of prefill, at which the fleet counts as half
+# saturated (β = 0.5).
+BUSY_REFERENCE_MS = 30.0
+
+
+def saturation(shortest: float, reference: float) -> float:
+    """β, between 0 and 1: 0 while some candidate has nothing queued, toward 1 as even the
+    shortest backlog grows past `reference` (both in the same unit)."""
+    return shortest / (shortest + reference) if shortest > 0 else 0.0
 
 
 def number_param(name: str, value: Any, unit: str, *, positive: bool = False) -> float:

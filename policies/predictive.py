@@ -102,12 +102,14 @@ from policies.base import (
     RequestFeatures,
 )
 from policies.costs import (
+    BUSY_REFERENCE_MS,
     OVERFLOW_TIER,
     fraction_param,
     locality,
     number_param,
     rank_with_tiers,
     region_penalties,
+    saturation,
 )
 
 
@@ -226,7 +228,7 @@ class PredictivePolicy(Policy):
         use_fitted_terms: bool = True,
         speed_tolerance: float = 0.3,
         decode_speed_tolerance: float = 1.0,
-        busy_reference_ms: float = 30.0,
+        busy_reference_ms: float = BUSY_REFERENCE_MS,
         copy_horizon_s: float = 0.5,
         default_output_tokens: float = 256,
         max_output_tokens: float = 2048,
@@ -397,7 +399,7 @@ class PredictivePolicy(Policy):
                 backlog += r.adapter_slots.loading_ms
             if backlog < shortest:
                 shortest = backlog
-        busy = shortest / (shortest + self.busy_reference_ms) if shortest > 0 else 0.0
+        busy = saturation(shortest, self.busy_reference_ms)
         fleet_w = self.fleet_weight * busy
         # The batch a request joins matters to its own tokens while the fleet has room; once
         # every replica is queueing, GPU time spent on prefill is what everyone waits for.

@@ -466,11 +466,13 @@ class RoutingCore:
         context_ms = per_context_ms * (context - sent_context) / replica.weight
         parts = journey.itl_parts
         if len(parts) == 2:
-            if not (parts[0] + iteration_ms > 0 and parts[1] + context_ms > 0):
+            parts = (parts[0] + iteration_ms, parts[1] + context_ms)
+            if min(parts) <= 0:
                 return
-            journey.itl_parts = (parts[0] + iteration_ms, parts[1] + context_ms)
-        if journey.model_itl_ms + iteration_ms + context_ms > 0:
-            journey.model_itl_ms += iteration_ms + context_ms
+            journey.itl_parts = parts
+        elif journey.model_itl_ms + iteration_ms + context_ms <= 0:
+            return
+        journey.model_itl_ms += iteration_ms + context_ms
 
     def _median_fit(self, decode: bool) -> float | None:
         """The median of the fleet's fitted multipliers, where some replica has one: where a
