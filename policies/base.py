@@ -151,6 +151,10 @@ class RequestFeatures:
     # Requests per second that lately met the same longest cached prefix as this one (the
     # deepest block any replica holds of it): the traffic a copy of that prefix would serve.
     prefix_rate: float = 0.0
+    # How much of a replica's decode batch now its answer will still decode beside, 0 to 1,
+    # as the answers so far on its model's fleet showed (balancer/routing/batch_persistence.py);
+    # None until enough have. Filled only for policies whose `needs_prompt` is true.
+    batch_persistence: float | None = None
 
 
 # The calibrated decode iteration (docs/calibration.md, llama-3.1-8b on an H100), in ms: the

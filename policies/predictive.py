@@ -12,7 +12,8 @@ its share without anyone re-deriving weights. For replica r (all in ms)::
     own     = e + d1 + d2·(p + n/2)          this request's own decode iteration, alone
     model   = (q·b + P + (1.5 + (q + u)/chunk)·(a + batch)) / w + L
     itl     = (own + batch) / w              its predicted time per output token there
-    decode  = (1 − β)² · (decode_weight · n · (batch·s + own·(s − 1)) + prefill_stall_weight · P·v·D) / w
+    beside  = B̄·w + ρ·(batch − B̄·w)          the batch the answer is expected to decode beside
+    decode  = (1 − β)² · (decode_weight · n · (beside·s + own·(s − 1)) + prefill_stall_weight · P·v·D) / w
     fleet   = fleet_weight · β · (P·v + fleet_decode_weight · n·D·(d1 + d2·(p + n/2))·s) / w
     copy    = (1 − β)² · σ · (P − P_C) · v / w   with σ = m / (1 + m), m = λ · copy_horizon_s / (h + 1)
     cost    = model·v + decode + fleet + locality − copy
@@ -24,7 +25,10 @@ sequences r decodes and X their context tokens, C the most of the prompt any rep
 and h how many hold that much, P_C the prefill of the prompt on top of C, λ the requests per
 second that lately met that same prefix (balancer/routing/prefix_demand.py), n the expected
 output (the learned mean output of answers like it, else `default_output_tokens`, either
-bounded by `max_tokens` and `max_output_tokens`), w r's weight, v its relative prefill
+bounded by `max_tokens` and `max_output_tokens`), B̄ the candidates' mean batch per unit of
+weight, ρ the batch's persistence (how much of a replica's batch at sending the fleet's
+answers lately still decoded beside, 0 to 1, learned by the routing core:
+balancer/routing/batch_persistence.py; 1 until learned), w r's weight, v its relative prefill
 speed (its fitted time-to-first-token multiplier over the candidates' median; where every
 candidate's fitted terms are in use, its terms weighed by this prompt's prefill, over the
 same median) and s its relative decode speed (the same for its fitted time-per-output-token
@@ -73,7 +77,8 @@ Each Choice's terms, all floats: ``cached`` (predicted cached tokens there),
 observed time to fit the replica's multiplier), ``ttft_ms`` (model × the fitted multiplier:
 the prediction in this fleet's own milliseconds), ``model_itl_ms`` (`itl`, fitted the same
 way against the observed time per output token), ``speed`` (v), ``decode_speed`` (s),
-``decode_ms``, ``fleet_ms``, ``copy_credit_ms``, ``locality_ms``, ``busy`` (β), ``cost``,
+``decode_ms``, ``fleet_ms``, ``copy_credit_ms``, ``locality_ms``, ``busy`` (β),
+``persistence`` (ρ as used), ``cost``,
 ``wait_ms`` (= ttft_ms, for the overflow decision), ``tier``, and the terms the two
 predictions add up are the Choice's ``parts``, which the routing core fits one by one
 (MODEL_TTFT_PARTS and MODEL_ITL_PARTS of policies/base.py). Where the replica's fitted terms are in use,
@@ -169,6 +174,12 @@ class PredictivePolicy(Policy):
         but not at short ones is priced so at each length, in the prediction and, past the
         speed tolerances, in the ranking. false: one multiplier on the whole prediction.
         Needs use_fitted_speed.
+    learn_batch_persistence (true or false; default true)
+        Price each candidate's decode batch in the decode term as the batch the answer is
+        expected to decode beside: its distance from the candidates' mean batch scaled by
+        how much of a batch the fleet's answers lately still decoded beside
+        (balancer/routing/batch_persistence.py; 1 until enough have answered). false: the
+        batch as it stands when the request is sent.
     decode_speed_tolerance (fraction, >= 0; default 1.0)
         The same for decode speeds. Wider, because the time between a stream's tokens also
         carries the prefill chunks its replica ran meanwhile, which the fit cannot tell
@@ -226,6 +237,7 @@ class PredictivePolicy(Policy):
         prefill_stall_weight: float = 0.2,
         use_fitted_speed: bool = True,
         use_fitted_terms: bool = True,
+        learn_batch_persistence: bool = True,
         speed_tolerance: float = 0.3,
         decode_speed_tolerance: float = 1.0,
         busy_reference_ms: float = BUSY_REFERENCE_MS,
@@ -267,6 +279,9 @@ class PredictivePolicy(Policy):
         if not isinstance(use_fitted_terms, bool):
             raise ValueError(f"use_fitted_terms must be true or false, got {use_fitted_terms!r}")
         self.use_fitted_terms = use_fitted_terms and use_fitted_speed
+        if not isinstance(learn_batch_persistence, bool):
+            raise ValueError(f"learn_batch_persistence must be true or false, got {learn_batch_persistence!r}")
+        self.learn_batch_persistence = learn_batch_persistence
         self.speed_tolerance = number_param("speed_tolerance", speed_tolerance, "fraction")
         self._speed_band = 1.0 + self.speed_tolerance
         self.decode_speed_tolerance = number_param("decode_speed_tolerance", decode_speed_tolerance, "fraction")
@@ -420,6 +435,14 @@ class PredictivePolicy(Policy):
             scales = (self._relative_speeds(fits_ranked, self._speed_band)
                       if min(fits_ranked) != max(fits_ranked) else None)
         decode_w *= light
+        # The batch the answer will decode beside: the mean's, plus the share of each
+        # candidate's difference from it that persists over an answer.
+        persistence = request.batch_persistence if self.learn_batch_persistence else None
+        mean_batch = 0.0
+        if persistence is not None and persistence < 1.0 and replicas:
+            mean_batch = sum((r.decoding * d1 + r.context_tokens * d2) / r.weight for r in replicas) / len(replicas)
+        else:
+            persistence = 1.0
         stall_w = self.prefill_stall_weight * light
         copy_share, deepest, beyond_ms = self._copy_share(request, replicas, prompt)
         e = self.decode_iteration_ms
@@ -485,7 +508,8 @@ class PredictivePolicy(Policy):
                     model_ttft += adapter_w * adapter_ms
                     shaped_ttft += adapter_w * adapter_ms
             ttft = shaped_ttft * level
-            decode = (decode_w * n * (batch * decode_speed + own_decode * (decode_speed - 1.0))
+            beside = batch if persistence == 1.0 else mean_batch * r.weight + persistence * (batch - mean_batch * r.weight)
+            decode = (decode_w * n * (beside * decode_speed + own_decode * (decode_speed - 1.0))
                       + stall_w * own_prefill * speed * decoding) * inv_w
             fleet = (own_prefill * speed + fleet_decode_w * n * decoding * per_seq_added * decode_speed) * inv_w * fleet_w
             labels = r.labels
@@ -508,6 +532,7 @@ class PredictivePolicy(Policy):
                         "adapter_ms": adapter_ms,
                         "evict_ms": evict_ms,
                         "busy": busy,
+                        "persistence": persistence,
                         "speed": speed,
                         "decode_speed": decode_speed,
                         "cost": cost,

@@ -42,6 +42,7 @@ from typing import Any, cast
 
 from balancer.errors import ClientError
 from balancer.routing.admission import AdmissionQueue
+from balancer.routing.batch_persistence import BatchPersistences
 from balancer.routing.breaker import CLOSED
 from balancer.routing.fleet import Fleet, Replica
 from balancer.routing.flow import FlowController
@@ -102,6 +103,12 @@ class Journey:
     # included, as `model_itl_ms` priced it; and that batch's area when its answer began.
     batch_sent: tuple[int, int] = (0, 0)
     batch_from: tuple[float, float, float] | None = None
+    # The candidates' mean decode batch when it was sent, and its replica's less that mean
+    # (ms per iteration, its own sequence left out), for the batch's persistence
+    # (batch_persistence.py); None where the policy predicts no times.
+    batch_mean_sent: float = 0.0
+    batch_gap_sent: float | None = None
+    batch_weight: float = 1.0  # how much the policy's decode term counted then
     # The attempt found its replica's prefill queue empty: its answer may confirm a change of
     # the replica's speed (latency.py).
     alone: bool = False
@@ -153,6 +160,7 @@ class RoutingCore:
         self.settings = settings
         self._call_at = call_at
         self.output_lengths = OutputLengths()
+        self.batch_persistence = BatchPersistences()
         self._faded_at = 0.0  # when the fits last faded (latency.py): at most once a second
         for replica in fleet.replicas:
             self.joined(replica)
@@ -304,6 +312,7 @@ class RoutingCore:
                 expected_output_tokens=self.output_lengths.expect(features.model, route, routed.prompt_tokens),
                 adapter=adapter,
                 prefix_rate=routed.prefix_rate,
+                batch_persistence=self.batch_persistence.slope(self._persistence_key(features.model)),
             )
         ranking = self.policy_for(features.model).rank(features, candidates)
         return Journey(features, ranking, routed, max_attempts=self.settings.max_attempts)
@@ -348,6 +357,7 @@ class RoutingCore:
             # sequence decoding there (the token term also holds the queue ahead of it).
             replica.prefill_ms_started += parts[1] * uncached / (queued + uncached) + parts[2]
         context = journey.context = journey.features.prompt_tokens
+        self._note_batch_sent(journey, replica, choice.terms)
         replica.batch_at(now)
         replica.context_tokens += context
         if journey.features.adapter is not None:
@@ -435,7 +445,13 @@ class RoutingCore:
                 or output_tokens < 2 or journey.model_itl_ms <= 0):
             return None
         per_token_ms = (now - started) * 1000.0 / (output_tokens - 1)
-        self._price_batch_decoded(journey, replica, now)
+        decoded = self._price_batch_decoded(journey, replica, now)
+        if decoded is not None and journey.batch_gap_sent is not None:
+            sequences, context = decoded
+            _fixed, per_seq_ms, per_context_ms = self.policy_for(features.model).decode_iteration()
+            beside_ms = (per_seq_ms * (sequences - 1) + per_context_ms * (context - features.prompt_tokens)) / replica.weight
+            self.batch_persistence.observe(self._persistence_key(features.model), journey.batch_gap_sent,
+                                           beside_ms - journey.batch_mean_sent, journey.batch_weight)
         fit = replica.decode_latency
         prior = self._median_fit(True) if fit.samples == 0 else None
         if journey.itl_parts:
@@ -447,16 +463,41 @@ class RoutingCore:
                                           journey.model_itl_ms - sum(journey.itl_parts) + stalls_ms)
         return fit.observe(per_token_ms, journey.model_itl_ms, prior, now=now)
 
-    def _price_batch_decoded(self, journey: Journey, replica: Replica, now: float) -> None:
+    def _persistence_key(self, model: str | None) -> str | None:
+        """An adapter's answers decode on its base model's fleet: they teach its fit."""
+        return self.fleet.base_of(model) or model
+
+    def _note_batch_sent(self, journey: Journey, replica: Replica, terms: Mapping[str, float]) -> None:
+        """The decode batch the attempt's replica has before it joins, against the mean
+        of the candidates it was ranked among, for a streamed answer of a policy that
+        predicts time: the start of its sample of the batch's persistence, weighed as the
+        policy's decode term was then (it fades as the fleet saturates, by `busy`)."""
+        journey.batch_gap_sent = None
+        journey.batch_weight = (1.0 - min(1.0, max(0.0, terms.get("busy", 0.0)))) ** 2
+        policy = self.policy_for(journey.features.model)
+        if not journey.features.stream or not policy.predicts_time:
+            return
+        _fixed, per_seq_ms, per_context_ms = policy.decode_iteration()
+        total = 0.0
+        for choice in journey.ranking:
+            r = choice.replica
+            total += (per_seq_ms * r.decoding + per_context_ms * r.context_tokens) / r.weight
+        mean = total / len(journey.ranking)
+        journey.batch_mean_sent = mean
+        journey.batch_gap_sent = (per_seq_ms * replica.decoding
+                                  + per_context_ms * replica.context_tokens) / replica.weight - mean
+
+    def _price_batch_decoded(self, journey: Journey, replica: Replica, now: float) -> tuple[float, float] | None:
         """Reprice the answer's time per token at the batch it decoded beside, on average,
         rather than the one its replica had when it was sent: a batch that grew or drained
         meanwhile is the model's to predict, not the replica's speed. Fitted against the
         batch at the start, replicas of one kind in a fleet filling up (256 chat tenants on
         4 replicas, offline) were set more than 2x apart by when each answer happened to be
-        sent, and requests fled the replicas that held their prompts."""
+        sent, and requests fled the replicas that held their prompts. Returns that batch
+        (sequences, context tokens, its own included), where the replica kept it."""
         area, start = replica.batch_at(now), journey.batch_from
         if area is None or start is None or not area[0] > start[0]:
-            return
+            return None
         elapsed = area[0] - start[0]
         sequences = (area[1] - start[1]) / elapsed
         context = (area[2] - start[2]) / elapsed
@@ -468,11 +509,12 @@ class RoutingCore:
         if len(parts) == 2:
             parts = (parts[0] + iteration_ms, parts[1] + context_ms)
             if min(parts) <= 0:
-                return
+                return sequences, context
             journey.itl_parts = parts
         elif journey.model_itl_ms + iteration_ms + context_ms <= 0:
-            return
+            return sequences, context
         journey.model_itl_ms += iteration_ms + context_ms
+        return sequences, context
 
     def _median_fit(self, decode: bool) -> float | None:
         """The median of the fleet's fitted multipliers, where some replica has one: where a

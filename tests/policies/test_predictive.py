@@ -19,7 +19,7 @@ from policies.predictive import PredictivePolicy
 from policies.registry import POLICIES, make_policy
 from tests.fakes import FakeReplica, holder_and_loader
 
-TERMS = {"cached", "output_tokens", "model_itl_ms", "decode_speed", "ttft_ms", "model_ttft_ms", "decode_ms", "fleet_ms", "locality_ms", "busy", "speed",
+TERMS = {"cached", "output_tokens", "model_itl_ms", "decode_speed", "ttft_ms", "model_ttft_ms", "decode_ms", "fleet_ms", "locality_ms", "busy", "persistence", "speed",
          "cost", "wait_ms", "tier", "adapter_ms", "evict_ms", "copy_credit_ms"}
 
 
