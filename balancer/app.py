@@ -69,6 +69,7 @@ class Balancer:
         elif self.tracker is not None:
             self.metrics.index = self.tracker.index
             self.metrics.token_ratio = self.tracker.ratio
+        self.metrics.batch_persistence = self.core.batch_persistence
         self.auth = authenticator(settings.auth)
         self.admission = Admission(self.core.admission, settings.limits.queue_timeout_s)
         self.pool = UpstreamPool(connect_timeout_s=settings.timeouts.connect_s)

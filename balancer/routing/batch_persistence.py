@@ -92,3 +92,7 @@ class BatchPersistences:
     def slope(self, model: str | None) -> float | None:
         fit = self._fits.get(model)
         return None if fit is None else fit.slope
+
+    def slopes(self) -> dict[str | None, float]:
+        """Each model's persistence, where learned."""
+        return {model: slope for model, fit in self._fits.items() if (slope := fit.slope) is not None}

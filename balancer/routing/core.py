@@ -20,6 +20,8 @@ and passes the time in:
     output      `learned_output(journey, output tokens, now)`: the answer's length once it
                 ended, and, streamed, its time per output token, which fits the replica's
                 decode speed against the batch it decoded beside (`Replica.batch_at`)
+                and, against the batch it was sent to, the batch's persistence
+                (routing/batch_persistence.py) that `plan` hands the policy
     finish      `end_attempt(journey, answered, now)`: the load leaves, the index keeps or
                 forgets what the attempt recorded
 

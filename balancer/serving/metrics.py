@@ -30,6 +30,7 @@ from balancer.protocol import (
 from balancer.routing.breaker import STATE_VALUES
 from balancer.routing.fleet import Fleet
 from balancer.routing.index import PrefixIndex
+from balancer.routing.batch_persistence import BatchPersistences
 from balancer.routing.token_ratio import TokenRatio
 from policies.base import MODEL_ITL_PARTS, MODEL_TTFT_PARTS
 
@@ -93,6 +94,7 @@ class Metrics(Collector):
         self.fleet = fleet
         self.index = index  # the prefix index, for cache-aware policies
         self.token_ratio: TokenRatio | None = None  # the approximate index's tokens per character
+        self.batch_persistence: BatchPersistences | None = None  # the routing core's, per model
         self.requests: defaultdict[tuple[str, str, str, int], int] = defaultdict(int)
         self.durations: defaultdict[str, _Histogram] = defaultdict(_Histogram)
         self.ttfts: defaultdict[tuple[str, str], _Histogram] = defaultdict(_Histogram)
@@ -325,6 +327,18 @@ class Metrics(Collector):
             for model, ratio in self.token_ratio.models().items():
                 per_char.add_metric([model], ratio)
             yield per_char
+
+        if self.batch_persistence is not None:
+            persistence = GaugeMetricFamily(
+                "kvlb_batch_persistence",
+                "How much of a replica's decode batch at sending the model's streamed answers "
+                "lately still decoded beside, 0 to 1, learned (predictive prices the batch so); "
+                "absent until learned",
+                labels=["model"],
+            )
+            for model, slope in self.batch_persistence.slopes().items():
+                persistence.add_metric([model or ""], slope)
+            yield persistence
 
         index = self.index
         entries = index.entries if index is not None else 0

@@ -7,6 +7,7 @@ import asyncio
 from contextlib import AsyncExitStack
 
 import aiohttp
+import pytest
 
 from tests.conftest import make_settings, run_balancer, serve_app
 from tests.upstreams import usage_reporting_app
@@ -82,3 +83,41 @@ async def test_a_replica_that_decodes_slower_is_fitted_and_loses_long_answers() 
         assert "kvlb_itl_prediction_ratio_count" in metrics
         later = [await send(100 + n) for n in range(6)]
     assert later.count("fast") == len(later), later
+
+
+async def test_the_batchs_persistence_is_learned_from_streamed_answers_and_exported() -> None:
+    async with AsyncExitStack() as stack:
+        urls = [await stack.enter_async_context(
+            serve_app(usage_reporting_app(natural_length=NATURAL_LENGTH, token_gap_s=0.002))) for _ in range(2)]
+        settings = make_settings([{"url": url, "name": f"r{i}", "model": MODEL} for i, url in enumerate(urls)],
+                                 policy={"name": "predictive", "seed": 5}, routing={"route_header": True})
+        running = await stack.enter_async_context(run_balancer(settings))
+        http = await stack.enter_async_context(aiohttp.ClientSession())
+
+        async def send(n: int) -> str:
+            body = {"model": MODEL, "prompt": f"question {n} " * 50, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            async with http.post(running.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                await resp.read()
+                return resp.headers["x-kvlb-route"]
+
+        async def persistence() -> float | None:
+            async with http.get(running.url + "/metrics") as resp:
+                lines = (await resp.text()).splitlines()
+            found = [line for line in lines if line.startswith(f'kvlb_batch_persistence{{model="{MODEL}"}}')]
+            return float(found[0].split()[-1]) if found else None
+
+        # Concurrent waves of different sizes: the replicas' batches differ when each is sent.
+        for wave in range(6):
+            await asyncio.gather(*(send(wave * 10 + i) for i in range(2 + wave)))
+        assert await persistence() is None  # too few answers to say: priced as the batch stands
+        routes = []
+        for wave in range(16):
+            routes += await asyncio.gather(*(send(1000 + wave * 10 + i) for i in range(1 + wave % 4 * 2)))
+        learned = await persistence()
+        assert learned is not None and 0.0 <= learned <= 1.0
+        # Each decision says the persistence it priced the batch at.
+        chosen = routes[-1].split(";")[0]
+        used = float(next(t for t in chosen.split() if t.startswith("persistence=")).split("=")[1])
+        assert used == pytest.approx(learned, abs=0.1)
