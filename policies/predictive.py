@@ -28,7 +28,9 @@ output (the learned mean output of answers like it, else `default_output_tokens`
 bounded by `max_tokens` and `max_output_tokens`), B̄ the candidates' mean batch per unit of
 weight, ρ the batch's persistence (how much of a replica's batch at sending the fleet's
 answers lately still decoded beside, 0 to 1, learned by the routing core:
-balancer/routing/batch_persistence.py; 1 until learned), w r's weight, v its relative prefill
+balancer/routing/batch_persistence.py; 1 until learned, and 1 on a replica that would copy
+a prefix others hold while σ > 0: spreading a shared prompt is the fleet's capacity, which
+no one answer's persistence measures), w r's weight, v its relative prefill
 speed (its fitted time-to-first-token multiplier over the candidates' median; where every
 candidate's fitted terms are in use, its terms weighed by this prompt's prefill, over the
 same median) and s its relative decode speed (the same for its fitted time-per-output-token
@@ -508,7 +510,10 @@ class PredictivePolicy(Policy):
                     model_ttft += adapter_w * adapter_ms
                     shaped_ttft += adapter_w * adapter_ms
             ttft = shaped_ttft * level
-            beside = batch if persistence == 1.0 else mean_batch * r.weight + persistence * (batch - mean_batch * r.weight)
+            if persistence == 1.0 or (copy_share > 0.0 and cached < deepest):
+                beside = batch
+            else:
+                beside = mean_batch * r.weight + persistence * (batch - mean_batch * r.weight)
             decode = (decode_w * n * (beside * decode_speed + own_decode * (decode_speed - 1.0))
                       + stall_w * own_prefill * speed * decoding) * inv_w
             fleet = (own_prefill * speed + fleet_decode_w * n * decoding * per_seq_added * decode_speed) * inv_w * fleet_w

@@ -120,3 +120,27 @@ def test_a_batch_that_will_be_gone_does_not_move_a_request_off_its_cached_prompt
     assert policy.rank(replace(features, batch_persistence=0.2), fleet.replicas)[0].replica is home
     snapshot = PredictivePolicy(seed=0, learn_batch_persistence=False)
     assert snapshot.rank(replace(features, batch_persistence=0.2), fleet.replicas)[0].replica is idle
+
+
+def test_a_shared_prompt_still_spreads_to_a_replica_that_would_copy_it() -> None:
+    # Three replicas hold an 8k system prompt that requests meet 12 times a second, each
+    # decoding 3 answers; a fourth is idle and cold. Spreading a shared prompt is the fleet's
+    # capacity, which no one answer's persistence measures: the cold replica keeps its empty
+    # batch as it stands and still wins the copy, as it does priced on the snapshot.
+    from tests.fakes import FakeReplica
+    warm = [FakeReplica(f"w{i}", decoding=3, context_tokens=3 * 8200) for i in range(3)]
+    cold = FakeReplica("cold")
+    features = RequestFeatures("/v1/completions", stream=True, prompt_tokens=8200,
+                               cached_tokens={w.name: 8000 for w in warm}, expected_output_tokens=150,
+                               prefix_rate=12.0)
+    policy = PredictivePolicy(seed=0, tie_tolerance_ms=0.0, tie_tolerance_ratio=0.0)
+    assert policy.rank(features, [*warm, cold])[0].replica is cold
+    assert policy.rank(replace(features, batch_persistence=0.2), [*warm, cold])[0].replica is cold
+    # A prompt met by no one else (a conversation's history) beside bigger batches, 6 each:
+    # priced as they stand they push it to the cold replica, whole prefill and all; learned
+    # to be gone before its answer is, they do not.
+    for replica in warm:
+        replica.decoding, replica.context_tokens = 6, 6 * 8200
+    private = replace(features, prefix_rate=0.0)
+    assert policy.rank(private, [*warm, cold])[0].replica is cold
+    assert policy.rank(replace(private, batch_persistence=0.2), [*warm, cold])[0].replica is not cold
