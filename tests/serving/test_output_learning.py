@@ -47,6 +47,16 @@ async def test_expected_output_is_learned_from_answers_that_ended_on_their_own()
         assert await send(200, max_tokens=8) == 8
 
 
+async def send_streamed(http: aiohttp.ClientSession, url: str, n: int) -> dict[str, str]:
+    """A streamed completion that reports its usage, read whole; its answer's headers."""
+    body = {"model": MODEL, "prompt": f"question {n} " * 50, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with http.post(url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        await resp.read()
+        return dict(resp.headers)
+
+
 def gauge(metrics: str, name: str, replica: str) -> float:
     prefix = f'{name}{{replica="{replica}"}}'
     return float(next(line for line in metrics.splitlines() if line.startswith(prefix)).split()[-1])
@@ -66,12 +76,7 @@ async def test_a_replica_that_decodes_slower_is_fitted_and_loses_long_answers() 
         http = await stack.enter_async_context(aiohttp.ClientSession())
 
         async def send(n: int) -> str:
-            body = {"model": MODEL, "prompt": f"question {n} " * 50, "stream": True,
-                    "stream_options": {"include_usage": True}}
-            async with http.post(running.url + "/v1/completions", json=body) as resp:
-                assert resp.status == 200
-                await resp.read()
-                return resp.headers["x-kvlb-replica"]
+            return (await send_streamed(http, running.url, n))["x-kvlb-replica"]
 
         warm = []
         for wave in range(4):  # concurrent waves, so both replicas answer some
@@ -95,12 +100,7 @@ async def test_the_batchs_persistence_is_learned_from_streamed_answers_and_expor
         http = await stack.enter_async_context(aiohttp.ClientSession())
 
         async def send(n: int) -> str:
-            body = {"model": MODEL, "prompt": f"question {n} " * 50, "stream": True,
-                    "stream_options": {"include_usage": True}}
-            async with http.post(running.url + "/v1/completions", json=body) as resp:
-                assert resp.status == 200
-                await resp.read()
-                return resp.headers["x-kvlb-route"]
+            return (await send_streamed(http, running.url, n))["x-kvlb-route"]
 
         async def persistence() -> float | None:
             async with http.get(running.url + "/metrics") as resp:
