@@ -129,6 +129,7 @@ def bench_routes(scale: float, policy_name: str = "predictive") -> dict[int, flo
             prompt_tokens=hasher.estimate_tokens(prompt),
             cached_tokens={name: int(blocks * tpb) for name, blocks in matched.items()},
             prefix_rate=5.0,  # a sought-after prefix: predictive also prices its copies
+            batch_persistence=0.5,  # learned: predictive prices each batch around the mean
         )
         best = policy.rank(features, replicas)[0].replica.name
         return lazy, matched, best
@@ -198,6 +199,7 @@ def bench_fleet_rank(policy_name: str, replicas_n: int = 200, calls: int = 2000)
         route="/v1/chat/completions", prompt_tokens=8000,
         cached_tokens={r.name: rng.randrange(8000) for r in rng.sample(replicas, 20)},
         prefix_rate=5.0,
+        batch_persistence=0.5,
     )
     policy = make_policy(policy_name, seed=7)
     perf = time.perf_counter_ns
