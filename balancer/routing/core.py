@@ -450,8 +450,8 @@ class RoutingCore:
         decoded = self._price_batch_decoded(journey, replica, now)
         if decoded is not None and journey.batch_gap_sent is not None:
             sequences, context = decoded
-            _fixed, per_seq_ms, per_context_ms = self.policy_for(features.model).decode_iteration()
-            beside_ms = (per_seq_ms * (sequences - 1) + per_context_ms * (context - features.prompt_tokens)) / replica.weight
+            beside_ms = _batch_ms(self.policy_for(features.model), sequences - 1,
+                                  context - features.prompt_tokens, replica.weight)
             self.batch_persistence.observe(self._persistence_key(features.model), journey.batch_gap_sent,
                                            beside_ms - journey.batch_mean_sent, journey.batch_weight)
         fit = replica.decode_latency
@@ -479,15 +479,11 @@ class RoutingCore:
         policy = self.policy_for(journey.features.model)
         if not journey.features.stream or not policy.predicts_time:
             return
-        _fixed, per_seq_ms, per_context_ms = policy.decode_iteration()
-        total = 0.0
-        for choice in journey.ranking:
-            r = choice.replica
-            total += (per_seq_ms * r.decoding + per_context_ms * r.context_tokens) / r.weight
-        mean = total / len(journey.ranking)
+        ranking = journey.ranking
+        mean = sum(_batch_ms(policy, c.replica.decoding, c.replica.context_tokens, c.replica.weight)
+                   for c in ranking) / len(ranking)
         journey.batch_mean_sent = mean
-        journey.batch_gap_sent = (per_seq_ms * replica.decoding
-                                  + per_context_ms * replica.context_tokens) / replica.weight - mean
+        journey.batch_gap_sent = _batch_ms(policy, replica.decoding, replica.context_tokens, replica.weight) - mean
 
     def _price_batch_decoded(self, journey: Journey, replica: Replica, now: float) -> tuple[float, float] | None:
         """Reprice the answer's time per token at the batch it decoded beside, on average,
@@ -576,3 +572,10 @@ class RoutingCore:
         journey.phase = IDLE
         self.fleet.released(replica)
         return replica
+
+
+def _batch_ms(policy: Policy, sequences: float, context_tokens: float, weight: float) -> float:
+    """What a decode batch adds to each iteration of a replica of `weight`, by the policy's
+    own decode model."""
+    _fixed, per_seq_ms, per_context_ms = policy.decode_iteration()
+    return (per_seq_ms * sequences + per_context_ms * context_tokens) / weight

@@ -27,10 +27,10 @@ from balancer.protocol import (
     METRIC_PREFIX_INDEX_ENTRIES,
     METRIC_REQUESTS,
 )
+from balancer.routing.batch_persistence import BatchPersistences
 from balancer.routing.breaker import STATE_VALUES
 from balancer.routing.fleet import Fleet
 from balancer.routing.index import PrefixIndex
-from balancer.routing.batch_persistence import BatchPersistences
 from balancer.routing.token_ratio import TokenRatio
 from policies.base import MODEL_ITL_PARTS, MODEL_TTFT_PARTS
 

@@ -11,13 +11,19 @@ import pytest
 
 from balancer.config import ReplicaSettings, RoutingSettings
 from balancer.routing.admission import AdmissionQueue
-from balancer.routing.batch_persistence import MAX_MODELS, MIN_SAMPLES, BatchPersistence, BatchPersistences
+from balancer.routing.batch_persistence import (
+    MAX_MODELS,
+    MIN_SAMPLES,
+    BatchPersistence,
+    BatchPersistences,
+)
 from balancer.routing.core import CoreSettings, RoutingCore
 from balancer.routing.fleet import Fleet
 from balancer.routing.tracker import CacheTracker
 from policies.base import RequestFeatures
 from policies.predictive import PredictivePolicy
 from policies.registry import make_policy
+from tests.fakes import FakeReplica
 
 PROMPT = "a prompt of some length " * 200
 
@@ -26,7 +32,7 @@ PROMPT = "a prompt of some length " * 200
 def test_the_slope_of_the_batch_decoded_beside_on_the_batch_sent_to_is_learned(slope: float) -> None:
     rng = random.Random(7)
     fit = BatchPersistence()
-    for i in range(MIN_SAMPLES - 1):
+    for _ in range(MIN_SAMPLES - 1):
         sent = rng.uniform(-1.0, 1.0)
         fit.observe(sent, 0.4 + slope * sent + rng.gauss(0.0, 0.05))
     assert fit.slope is None  # too few answers yet: the policy keeps the snapshot
@@ -127,7 +133,6 @@ def test_a_shared_prompt_still_spreads_to_a_replica_that_would_copy_it() -> None
     # decoding 3 answers; a fourth is idle and cold. Spreading a shared prompt is the fleet's
     # capacity, which no one answer's persistence measures: the cold replica keeps its empty
     # batch as it stands and still wins the copy, as it does priced on the snapshot.
-    from tests.fakes import FakeReplica
     warm = [FakeReplica(f"w{i}", decoding=3, context_tokens=3 * 8200) for i in range(3)]
     cold = FakeReplica("cold")
     features = RequestFeatures("/v1/completions", stream=True, prompt_tokens=8200,
