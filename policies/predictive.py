@@ -12,7 +12,8 @@ its share without anyone re-deriving weights. For replica r (all in ms)::
     own     = e + d1 + d2·(p + n/2)          this request's own decode iteration, alone
     model   = (q·b + P + (1.5 + (q + u)/chunk)·(a + batch)) / w + L
     itl     = (own + batch) / w              its predicted time per output token there
-    beside  = B̄·w + ρ·(batch − B̄·w)          the batch the answer is expected to decode beside
+    beside  = B̄·w + ρ'·(batch − B̄·w)         the batch the answer is expected to decode beside
+    ρ'      = ρ + π·(1 − ρ)                  with π = j / (1 + j), j = λ·n·own / 1000 / (h + 1)
     decode  = (1 − β)² · (decode_weight · n · (beside·s + own·(s − 1)) + prefill_stall_weight · P·v·D) / w
     fleet   = fleet_weight · β · (P·v + fleet_decode_weight · n·D·(d1 + d2·(p + n/2))·s) / w
     copy    = (1 − β)² · σ · (P − P_C) · v / w   with σ = m / (1 + m), m = λ · copy_horizon_s / (h + 1)
@@ -28,9 +29,11 @@ output (the learned mean output of answers like it, else `default_output_tokens`
 bounded by `max_tokens` and `max_output_tokens`), B̄ the candidates' mean batch per unit of
 weight, ρ the batch's persistence (how much of a replica's batch at sending the fleet's
 answers lately still decoded beside, 0 to 1, learned by the routing core:
-balancer/routing/batch_persistence.py; 1 until learned, and 1 on a replica that would copy
-a prefix others hold while σ > 0: spreading a shared prompt is the fleet's capacity, which
-no one answer's persistence measures), w r's weight, v its relative prefill
+balancer/routing/batch_persistence.py; 1 until learned), π how much of the rest a sought-after
+prefix pins (j, its requests over the answer's own decode, n·own ms, shared by the h
+replicas holding it and one more: while they keep coming, its holders' batches stay up,
+which no one answer's persistence measures; a prompt met now and then pins nothing, and
+its holder's batch is priced as the fleet's), w r's weight, v its relative prefill
 speed (its fitted time-to-first-token multiplier over the candidates' median; where every
 candidate's fitted terms are in use, its terms weighed by this prompt's prefill, over the
 same median) and s its relative decode speed (the same for its fitted time-per-output-token
@@ -80,7 +83,7 @@ observed time to fit the replica's multiplier), ``ttft_ms`` (model × the fitted
 the prediction in this fleet's own milliseconds), ``model_itl_ms`` (`itl`, fitted the same
 way against the observed time per output token), ``speed`` (v), ``decode_speed`` (s),
 ``decode_ms``, ``fleet_ms``, ``copy_credit_ms``, ``locality_ms``, ``busy`` (β),
-``persistence`` (ρ as used), ``cost``,
+``persistence`` (ρ' as used), ``cost``,
 ``wait_ms`` (= ttft_ms, for the overflow decision), ``tier``, and the terms the two
 predictions add up are the Choice's ``parts``, which the routing core fits one by one
 (MODEL_TTFT_PARTS and MODEL_ITL_PARTS of policies/base.py). Where the replica's fitted terms are in use,
@@ -345,12 +348,12 @@ class PredictivePolicy(Policy):
         return self._relative_speeds(fits, self._decode_speed_band) if min(fits) != max(fits) else None
 
     def _copy_share(self, request: RequestFeatures, replicas: Sequence[ReplicaView],
-                    prompt: int) -> tuple[float, int, float]:
-        """σ, the most of the prompt any candidate holds (C), and the prefill beyond it (P_C):
-        (0, 0, 0) when no copy would serve later requests."""
+                    prompt: int) -> tuple[float, int, float, int]:
+        """σ, the most of the prompt any candidate holds (C), the prefill beyond it (P_C) and
+        how many hold that much (h): (0, 0, 0, 0) when no copy would serve later requests."""
         rate = request.prefix_rate
         if not rate > 0.0 or self.copy_horizon_s <= 0.0:
-            return 0.0, 0, 0.0
+            return 0.0, 0, 0.0, 0
         cached_of = request.cached_tokens.get
         deepest = holders = 0
         for r in replicas:
@@ -360,11 +363,11 @@ class PredictivePolicy(Policy):
             elif cached == deepest:
                 holders += 1
         if deepest <= 0:
-            return 0.0, 0, 0.0
+            return 0.0, 0, 0.0, 0
         later = rate * self.copy_horizon_s / (holders + 1)
         rest = prompt - deepest
         beyond_ms = rest * self.prefill_ms_per_token + self.attention_ms_per_token2 * rest * (deepest + rest * 0.5)
-        return later / (1.0 + later), deepest, beyond_ms
+        return later / (1.0 + later), deepest, beyond_ms, holders
 
     def rank(self, request: RequestFeatures, replicas: Sequence[ReplicaView]) -> list[Choice]:
         prompt = request.prompt_tokens
@@ -446,8 +449,12 @@ class PredictivePolicy(Policy):
         else:
             persistence = 1.0
         stall_w = self.prefill_stall_weight * light
-        copy_share, deepest, beyond_ms = self._copy_share(request, replicas, prompt)
+        copy_share, deepest, beyond_ms, holders = self._copy_share(request, replicas, prompt)
         e = self.decode_iteration_ms
+        if copy_share > 0.0 and persistence < 1.0:
+            # A prefix's own requests over this answer's decode keep its holders' batches up.
+            during = request.prefix_rate * n * own_decode * 1e-3 / (holders + 1)
+            persistence += during / (1.0 + during) * (1.0 - persistence)
         copy_share *= light
 
         choices: list[Choice] = []
@@ -510,7 +517,7 @@ class PredictivePolicy(Policy):
                     model_ttft += adapter_w * adapter_ms
                     shaped_ttft += adapter_w * adapter_ms
             ttft = shaped_ttft * level
-            if persistence == 1.0 or (copy_share > 0.0 and cached < deepest):
+            if persistence == 1.0:
                 beside = batch
             else:
                 beside = mean_batch * r.weight + persistence * (batch - mean_batch * r.weight)

@@ -130,9 +130,10 @@ def test_a_batch_that_will_be_gone_does_not_move_a_request_off_its_cached_prompt
 
 def test_a_shared_prompt_still_spreads_to_a_replica_that_would_copy_it() -> None:
     # Three replicas hold an 8k system prompt that requests meet 12 times a second, each
-    # decoding 3 answers; a fourth is idle and cold. Spreading a shared prompt is the fleet's
-    # capacity, which no one answer's persistence measures: the cold replica keeps its empty
-    # batch as it stands and still wins the copy, as it does priced on the snapshot.
+    # decoding 3 answers; a fourth is idle and cold. The prompt's own requests keep its
+    # holders' batches up for as long as an answer decodes, which no one answer's persistence
+    # measures: the batches are priced nearly as they stand, and the cold replica still wins
+    # the copy, as it does priced on the snapshot.
     warm = [FakeReplica(f"w{i}", decoding=3, context_tokens=3 * 8200) for i in range(3)]
     cold = FakeReplica("cold")
     features = RequestFeatures("/v1/completions", stream=True, prompt_tokens=8200,
@@ -149,3 +150,32 @@ def test_a_shared_prompt_still_spreads_to_a_replica_that_would_copy_it() -> None
     private = replace(features, prefix_rate=0.0)
     assert policy.rank(private, [*warm, cold])[0].replica is cold
     assert policy.rank(replace(private, batch_persistence=0.2), [*warm, cold])[0].replica is not cold
+
+
+def test_a_prompt_met_now_and_then_stays_beside_a_batch_that_will_be_gone() -> None:
+    # One of many system prompts (SGLang's shared-prefix benchmark: 64 prompts at 8 requests/s
+    # in all), held by one replica decoding 4 answers; a cold replica decodes none and two
+    # more decode 2 each. Its few later requests cannot keep its holder's batch up over an
+    # answer's life, so the batches are priced as they will persist (ρ), the cold replica's
+    # empty one too, and a whole prefill for a batch soon gone is not worth it.
+    holder = FakeReplica("holder", decoding=4, context_tokens=4 * 2176)
+    cold = FakeReplica("cold")
+    others = [FakeReplica(f"o{i}", decoding=2, context_tokens=2 * 2176) for i in range(2)]
+    fleet = [holder, cold, *others]
+    features = RequestFeatures("/v1/completions", stream=True, prompt_tokens=2176,
+                               cached_tokens={"holder": 2048}, expected_output_tokens=256,
+                               prefix_rate=0.2, batch_persistence=0.4)
+    policy = PredictivePolicy(seed=0, tie_tolerance_ms=0.0, tie_tolerance_ratio=0.0)
+    assert policy.rank(features, fleet)[0].replica is holder
+    # Met 40 times a second, the same prompt's own requests keep its holder's batch up for
+    # as long as the answer decodes: that batch is priced nearly as it stands, and the copy wins.
+    hot = replace(features, prefix_rate=40.0)
+    ranked = policy.rank(hot, fleet)
+    assert ranked[0].replica is cold
+    snapshot = PredictivePolicy(seed=0, tie_tolerance_ms=0.0, tie_tolerance_ratio=0.0,
+                                learn_batch_persistence=False).rank(hot, fleet)
+    held = next(c for c in ranked if c.replica is holder).terms["decode_ms"]
+    as_it_stands = next(c for c in snapshot if c.replica is holder).terms["decode_ms"]
+    now_and_then = next(c for c in policy.rank(features, fleet) if c.replica is holder).terms["decode_ms"]
+    assert as_it_stands * 0.95 <= held <= as_it_stands
+    assert now_and_then < as_it_stands * 0.85
