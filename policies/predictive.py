@@ -14,7 +14,7 @@ its share without anyone re-deriving weights. For replica r (all in ms)::
     itl     = (own + batch) / w              its predicted time per output token there
     beside  = B̄·w + ρ'·(batch − B̄·w)         the batch the answer is expected to decode beside
     ρ'      = ρ + μ·(1 − ρ) where r would copy the prefix (c < C), else ρ
-    μ       = min(1, λ·n·own / 1000 / h / (0.5·D̄))   the share of its holders' batches it moves
+    μ       = min(1, λ·n·own / 1000 / h / (0.5·D̄))   its share of the holders' batches, over one half
     decode  = (1 − β)² · (decode_weight · n · (beside·s + own·(s − 1)) + prefill_stall_weight · P·v·D) / w
     fleet   = fleet_weight · β · (P·v + fleet_decode_weight · n·D·(d1 + d2·(p + n/2))·s) / w
     copy    = (1 − β)² · σ · (P − P_C) · v / w   with σ = m / (1 + m), m = λ · copy_horizon_s / (h + 1)
@@ -34,7 +34,7 @@ balancer/routing/batch_persistence.py; 1 until learned), μ how much of its hold
 batches a copy of a sought-after prefix moves (its requests over the answer's own decode,
 n·own ms, per holder, against half the candidates' mean count of decoding sequences D̄:
 a prefix that makes up most of what its holders decode thins every batch by spreading,
-which no one answer's persistence measures, while a prompt met now and then moves nothing,
+which no one answer's persistence measures, while a prompt met now and then moves little,
 and a replica that would copy it is priced as the fleet's batches persist), w r's weight, v its relative prefill
 speed (its fitted time-to-first-token multiplier over the candidates' median; where every
 candidate's fitted terms are in use, its terms weighed by this prompt's prefill, over the
