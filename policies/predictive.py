@@ -445,9 +445,13 @@ class PredictivePolicy(Policy):
         # The batch the answer will decode beside: the mean's, plus the share of each
         # candidate's difference from it that persists over an answer.
         persistence = request.batch_persistence if self.learn_batch_persistence else None
-        mean_batch = 0.0
+        mean_batch = mean_decoding = 0.0
         if persistence is not None and persistence < 1.0 and replicas:
-            mean_batch = sum((r.decoding * d1 + r.context_tokens * d2) / r.weight for r in replicas) / len(replicas)
+            for r in replicas:
+                mean_batch += (r.decoding * d1 + r.context_tokens * d2) / r.weight
+                mean_decoding += r.decoding
+            mean_batch /= len(replicas)
+            mean_decoding /= len(replicas)
         else:
             persistence = 1.0
         stall_w = self.prefill_stall_weight * light
@@ -458,7 +462,6 @@ class PredictivePolicy(Policy):
         # per holder, against the candidates' mean batch), all of it from COPY_MOVES_BATCH.
         moved = 0.0
         if copy_share > 0.0 and persistence < 1.0:
-            mean_decoding = sum(r.decoding for r in replicas) / len(replicas)
             own_sequences = request.prefix_rate * n * own_decode * 1e-3 / holders
             moved = min(1.0, own_sequences / (COPY_MOVES_BATCH * mean_decoding)) if mean_decoding > 0 else 1.0
         copy_share *= light

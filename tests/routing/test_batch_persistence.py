@@ -130,10 +130,10 @@ def test_a_batch_that_will_be_gone_does_not_move_a_request_off_its_cached_prompt
 
 def test_a_shared_prompt_still_spreads_to_a_replica_that_would_copy_it() -> None:
     # Three replicas hold an 8k system prompt that requests meet 12 times a second, each
-    # decoding 3 answers; a fourth is idle and cold. The prompt's own requests keep its
-    # holders' batches up for as long as an answer decodes, which no one answer's persistence
-    # measures: the batches are priced nearly as they stand, and the cold replica still wins
-    # the copy, as it does priced on the snapshot.
+    # decoding 3 answers; a fourth is idle and cold. The prompt's own requests are what its
+    # holders decode, so a copy would thin those batches, which no one answer's persistence
+    # measures: the cold replica's batch counts as it stands, and it still wins the copy,
+    # as it does priced on the snapshot.
     warm = [FakeReplica(f"w{i}", decoding=3, context_tokens=3 * 8200) for i in range(3)]
     cold = FakeReplica("cold")
     features = RequestFeatures("/v1/completions", stream=True, prompt_tokens=8200,
