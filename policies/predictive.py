@@ -15,7 +15,8 @@ its share without anyone re-deriving weights. For replica r (all in ms)::
     beside  = B̄·w + ρ'·(batch − B̄·w)         the batch the answer is expected to decode beside
     ρ'      = ρ + μ·(1 − ρ) where r would copy the prefix (c < C), else ρ
     μ       = min(1, λ·n·own / 1000 / h / (0.5·D̄))   its share of the holders' batches, over one half
-    decode  = (1 − β)² · (decode_weight · n · (beside·s + own·(s − 1)) + prefill_stall_weight · P·v·D) / w
+    decode  = (1 − β)² · (decode_weight · n · (beside·s + own·(s − 1))
+                          + (prefill_stall_weight · P + avoidable_stall_weight · (P − P_min))·v·D) / w
     fleet   = fleet_weight · β · (P·v + fleet_decode_weight · n·D·(d1 + d2·(p + n/2))·s) / w
     copy    = (1 − β)² · σ · (P − P_C) · v / w   with σ = m / (1 + m), m = λ · copy_horizon_s / (h + 1)
     cost    = model·v + decode + fleet + locality − copy
@@ -23,7 +24,7 @@ its share without anyone re-deriving weights. For replica r (all in ms)::
 with P = u·b + k·u·(c + u/2) the request's own prefill there, p the prompt's tokens, c those
 r holds cached, u = p − c, q the prefill queued on r, L the LoRA adapter loads under way
 there (each stalls the engine's iterations, so whoever comes next waits it out), D the
-sequences r decodes and X their context tokens, C the most of the prompt any replica holds
+sequences r decodes and X their context tokens, P_min the least P among the candidates, C the most of the prompt any replica holds
 and h how many hold that much, P_C the prefill of the prompt on top of C, λ the requests per
 second that lately met that same prefix (balancer/routing/prefix_demand.py), n the expected
 output (the learned mean output of answers like it, else `default_output_tokens`, either
@@ -159,6 +160,16 @@ class PredictivePolicy(Policy):
         4x (seeds 0-2) the hit is 0.260-0.266 with it, 0.217-0.229 without, and end-to-end
         p50 3.5-3.6 s against 4.9-5.9 s; on 256 tenants of 6,000-token prompts over 4
         replicas in overload, TTFT p50 141 ms against 640.
+    avoidable_stall_weight (>= 0; default 0.0)
+        Weight, added to prefill_stall_weight, of the stall that the part of this request's
+        prefill a cache on another candidate would have saved inflicts on each sequence
+        decoding on the replica, at β = 0: what a conversation pays its new replica's batch
+        for leaving the one that holds it. Off by default. With 1,500-token answers (48
+        conversations of 6 turns, each 25 s after the last, 8 replicas) the decode term
+        moved 87 of 240 follow-up turns to smaller batches, for no gain in time per token:
+        hit 0.693 and TTFT p99 226 ms at 0, 0.899 and 100 ms at 0.8 (`cache_aware`: 0.941 and
+        36 ms). On the shared trace it trades: at 0.8, over seeds 0-3 at 4x, hit 0.265 to
+        0.272 on average but TTFT p99 4.9 to 5.5 s; at 1x, TTFT p99 2.3 to 2.6 s (seed 0).
     fleet_decode_weight (>= 0; default 0.0)
         Weight, inside the fleet's work, of the slowdown this request's decode adds to the
         sequences beside it. Off by default: on the shared trace in overload it spread
@@ -242,6 +253,7 @@ class PredictivePolicy(Policy):
         fleet_weight: float = 4.0,
         fleet_decode_weight: float = 0.0,
         prefill_stall_weight: float = 0.2,
+        avoidable_stall_weight: float = 0.0,
         use_fitted_speed: bool = True,
         use_fitted_terms: bool = True,
         learn_batch_persistence: bool = True,
@@ -280,6 +292,7 @@ class PredictivePolicy(Policy):
         self.fleet_weight = number_param("fleet_weight", fleet_weight, "weight")
         self.fleet_decode_weight = number_param("fleet_decode_weight", fleet_decode_weight, "weight")
         self.prefill_stall_weight = number_param("prefill_stall_weight", prefill_stall_weight, "weight")
+        self.avoidable_stall_weight = number_param("avoidable_stall_weight", avoidable_stall_weight, "weight")
         if not isinstance(use_fitted_speed, bool):
             raise ValueError(f"use_fitted_speed must be true or false, got {use_fitted_speed!r}")
         self.use_fitted_speed = use_fitted_speed
@@ -455,6 +468,16 @@ class PredictivePolicy(Policy):
         else:
             persistence = 1.0
         stall_w = self.prefill_stall_weight * light
+        avoid_w = self.avoidable_stall_weight * light
+        least_prefill = 0.0
+        if avoid_w > 0.0:
+            # The prefill this prompt needs on the candidate holding most of it: what beyond
+            # it a replica would prefill, a cache elsewhere would have saved its batch.
+            least_prefill = math.inf
+            for r in replicas:
+                have = min(max(cached_of(r.name, 0), 0), prompt)
+                rest = prompt - have
+                least_prefill = min(least_prefill, rest * b + k * rest * (have + rest * 0.5))
         copy_share, deepest, beyond_ms, holders = self._copy_share(request, replicas, prompt)
         e = self.decode_iteration_ms
         # How much of a would-be copy's batch counts as it stands: the share of its holders'
@@ -532,7 +555,7 @@ class PredictivePolicy(Policy):
             else:
                 beside = mean_batch * r.weight + held * (batch - mean_batch * r.weight)
             decode = (decode_w * n * (beside * decode_speed + own_decode * (decode_speed - 1.0))
-                      + stall_w * own_prefill * speed * decoding) * inv_w
+                      + (stall_w * own_prefill + avoid_w * (own_prefill - least_prefill)) * speed * decoding) * inv_w
             fleet = (own_prefill * speed + fleet_decode_w * n * decoding * per_seq_added * decode_speed) * inv_w * fleet_w
             labels = r.labels
             near = 0.0 if origin is None else locality(labels, origin, same_pen, other_pen)
