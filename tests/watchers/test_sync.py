@@ -119,10 +119,14 @@ async def test_the_context_a_peers_requests_hold_on_a_replica_prices_its_decode_
         # Predictive prices the batch a request would join there alike on both instances:
         # its time per output token counts that context (4.39e-5 ms a token over 8.3 ms).
         itl = []
-        for url in (b.url, a.url):
+        for url, other in ((b.url, theirs), (a.url, mine)):
             _, _, route = await complete_explained(http, url, "short", max_tokens=1)
             assert route is not None
             itl.append(float(route.split("model_itl_ms=")[1].split()[0]))
+            # That request reaches the other instance as load in a snapshot that may still be
+            # on its way; until a later one replaces it, the other prices one sequence more.
+            await asyncio.sleep(3 * 0.05)
+            await until(lambda r=other: r.remote_in_flight == 0 and r.remote_decoding == 0)
         assert itl[0] == pytest.approx(itl[1]) and itl[0] > 8.3 + 0.02, itl
         slow.cancel()
         await until(lambda: mine.remote_context_tokens == 0, timeout_s=3)
