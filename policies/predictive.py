@@ -24,8 +24,9 @@ its share without anyone re-deriving weights. For replica r (all in ms)::
 with P = u·b + k·u·(c + u/2) the request's own prefill there, p the prompt's tokens, c those
 r holds cached, u = p − c, q the prefill queued on r, L the LoRA adapter loads under way
 there (each stalls the engine's iterations, so whoever comes next waits it out), D the
-sequences r decodes and X their context tokens, P_min the least P among the candidates, C the most of the prompt any replica holds
-and h how many hold that much, P_C the prefill of the prompt on top of C, λ the requests per
+sequences r decodes and X their context tokens, C the most of the prompt any replica holds
+and h how many hold that much, P_C the prefill of the prompt on top of C (and P_min, the
+least P among the candidates), λ the requests per
 second that lately met that same prefix (balancer/routing/prefix_demand.py), n the expected
 output (the learned mean output of answers like it, else `default_output_tokens`, either
 bounded by `max_tokens` and `max_output_tokens`), B̄ the candidates' mean batch per unit of
@@ -362,27 +363,11 @@ class PredictivePolicy(Policy):
                 fits = [f * (t[0] * z0 + t[1] * z1) for f, t in zip(fits, shapes, strict=True)]
         return self._relative_speeds(fits, self._decode_speed_band) if min(fits) != max(fits) else None
 
-    def _copy_share(self, request: RequestFeatures, replicas: Sequence[ReplicaView],
-                    prompt: int) -> tuple[float, int, float, int]:
-        """σ, the most of the prompt any candidate holds (C), the prefill beyond it (P_C) and
-        how many hold that much (h): (0, 0, 0, 0) when no copy would serve later requests."""
-        rate = request.prefix_rate
-        if not rate > 0.0 or self.copy_horizon_s <= 0.0:
-            return 0.0, 0, 0.0, 0
-        cached_of = request.cached_tokens.get
-        deepest = holders = 0
-        for r in replicas:
-            cached = min(cached_of(r.name, 0), prompt)
-            if cached > deepest:
-                deepest, holders = cached, 1
-            elif cached == deepest:
-                holders += 1
-        if deepest <= 0:
-            return 0.0, 0, 0.0, 0
+    def _copy_share(self, rate: float, holders: int) -> float:
+        """σ: the share of a copy's prefill that the requests after it will use, for a prefix
+        met `rate` times a second and held by `holders` candidates."""
         later = rate * self.copy_horizon_s / (holders + 1)
-        rest = prompt - deepest
-        beyond_ms = rest * self.prefill_ms_per_token + self.attention_ms_per_token2 * rest * (deepest + rest * 0.5)
-        return later / (1.0 + later), deepest, beyond_ms, holders
+        return later / (1.0 + later)
 
     def rank(self, request: RequestFeatures, replicas: Sequence[ReplicaView]) -> list[Choice]:
         prompt = request.prompt_tokens
@@ -469,16 +454,23 @@ class PredictivePolicy(Policy):
             persistence = 1.0
         stall_w = self.prefill_stall_weight * light
         avoid_w = self.avoidable_stall_weight * light
-        least_prefill = 0.0
-        if avoid_w > 0.0:
-            # The prefill this prompt needs on the candidate holding most of it: what beyond
-            # it a replica would prefill, a cache elsewhere would have saved its batch.
-            least_prefill = math.inf
+        # The most of the prompt any candidate holds (C), how many hold that much (h) and the
+        # prefill on top of it (P_C, also the least any candidate needs, P_min), where a copy
+        # credit or the avoidable stall asks for them.
+        copy_share = beyond_ms = 0.0
+        deepest = holders = 0
+        copies = request.prefix_rate > 0.0 and self.copy_horizon_s > 0.0
+        if copies or avoid_w > 0.0:
             for r in replicas:
                 have = min(max(cached_of(r.name, 0), 0), prompt)
-                rest = prompt - have
-                least_prefill = min(least_prefill, rest * b + k * rest * (have + rest * 0.5))
-        copy_share, deepest, beyond_ms, holders = self._copy_share(request, replicas, prompt)
+                if have > deepest:
+                    deepest, holders = have, 1
+                elif have == deepest:
+                    holders += 1
+            rest = prompt - deepest
+            beyond_ms = rest * b + k * rest * (deepest + rest * 0.5)
+            if copies and deepest > 0:
+                copy_share = self._copy_share(request.prefix_rate, holders)
         e = self.decode_iteration_ms
         # How much of a would-be copy's batch counts as it stands: the share of its holders'
         # batches that the prefix's own requests make up (its rate over one answer's decode,
@@ -555,7 +547,7 @@ class PredictivePolicy(Policy):
             else:
                 beside = mean_batch * r.weight + held * (batch - mean_batch * r.weight)
             decode = (decode_w * n * (beside * decode_speed + own_decode * (decode_speed - 1.0))
-                      + (stall_w * own_prefill + avoid_w * (own_prefill - least_prefill)) * speed * decoding) * inv_w
+                      + (stall_w * own_prefill + avoid_w * (own_prefill - beyond_ms)) * speed * decoding) * inv_w
             fleet = (own_prefill * speed + fleet_decode_w * n * decoding * per_seq_added * decode_speed) * inv_w * fleet_w
             labels = r.labels
             near = 0.0 if origin is None else locality(labels, origin, same_pen, other_pen)

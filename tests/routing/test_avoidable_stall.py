@@ -3,8 +3,6 @@ priced so that a long-answer conversation stays on the replica that holds it."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 
 from balancer.config import PolicySettings
@@ -66,8 +64,8 @@ def test_long_answer_conversations_keep_their_cache_offline() -> None:
         by_session: dict[str, list] = {}
         for record in sorted(result.records, key=lambda r: r.send_s):
             by_session.setdefault(record.session, []).append(record.replica)
-        moved = Counter(a != b for replicas in by_session.values()
-                        for a, b in zip(replicas, replicas[1:], strict=False))[True]
+        moved = sum(a != b for replicas in by_session.values()
+                    for a, b in zip(replicas, replicas[1:], strict=False))
         return summarize(result.records, result.duration_s)["cache_hit_ratio"], moved
 
     default_hit, default_moved = run({})

@@ -125,7 +125,7 @@ async def test_the_context_a_peers_requests_hold_on_a_replica_prices_its_decode_
             itl.append(float(route.split("model_itl_ms=")[1].split()[0]))
             # That request reaches the other instance as load in a snapshot that may still be
             # on its way; until a later one replaces it, the other prices one sequence more.
-            await asyncio.sleep(3 * 0.05)
+            await asyncio.sleep(3 * fast["load_interval_s"])
             await until(lambda r=other: r.remote_in_flight == 0 and r.remote_decoding == 0)
         assert itl[0] == pytest.approx(itl[1]) and itl[0] > 8.3 + 0.02, itl
         slow.cancel()
