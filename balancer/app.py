@@ -69,6 +69,8 @@ class Balancer:
         elif self.tracker is not None:
             self.metrics.index = self.tracker.index
             self.metrics.token_ratio = self.tracker.ratio
+            if self.tracker.answer_chars:
+                self.metrics.answer_returns = self.tracker.answer_returns
         self.metrics.batch_persistence = self.core.batch_persistence
         self.auth = authenticator(settings.auth)
         self.admission = Admission(self.core.admission, settings.limits.queue_timeout_s)

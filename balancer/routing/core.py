@@ -22,6 +22,8 @@ and passes the time in:
                 decode speed against the batch it decoded beside (`Replica.batch_at`)
                 and, against the batch it was sent to, the batch's persistence
                 (routing/batch_persistence.py) that `plan` hands the policy
+    answer      `answered_text(journey, text)`: a whole answer's text (its first `answer_chars`
+                characters), which the index records after the prompt on its replica
     finish      `end_attempt(journey, answered, now)`: the load leaves, the index keeps or
                 forgets what the attempt recorded
 
@@ -50,6 +52,7 @@ from balancer.routing.fleet import Fleet, Replica
 from balancer.routing.flow import FlowController
 from balancer.routing.latency import LatencyFit
 from balancer.routing.output_length import OutputLengths
+from balancer.routing.request import answer_continuation
 from balancer.routing.term_fit import ITL_RIDGE, TTFT_RIDGE, TermFit
 from balancer.routing.tracker import CacheTracker, Lesson, Routed
 from policies.base import (
@@ -464,6 +467,24 @@ class RoutingCore:
             replica.itl_terms_fit.observe(per_token_ms, journey.itl_parts,
                                           journey.model_itl_ms - sum(journey.itl_parts) + stalls_ms)
         return fit.observe(per_token_ms, journey.model_itl_ms, prior, now=now)
+
+    def answer_chars(self, journey: Journey) -> int:
+        """How many characters of the attempt's answer the index takes (0: none), for the
+        drivers to collect as it passes."""
+        routed, tracker = journey.routed, self.tracker
+        if routed is None or tracker is None or not routed.chars:
+            return 0
+        return tracker.answer_chars if answer_continuation(journey.features.route, "") is not None else 0
+
+    def answered_text(self, journey: Journey, text: str) -> None:
+        """The attempt's answer ended whole, and `text` is its first choice's (at most
+        `answer_chars` of it): its replica holds the prompt and the answer after it."""
+        routed, replica, tracker = journey.routed, journey.replica, self.tracker
+        if routed is None or replica is None or tracker is None:
+            return
+        continuation = answer_continuation(journey.features.route, text)
+        if continuation is not None:
+            tracker.record_answer(routed, replica, continuation)
 
     def _persistence_key(self, model: str | None) -> str | None:
         """An adapter's answers decode on its base model's fleet: they teach its fit."""

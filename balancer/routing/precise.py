@@ -46,6 +46,7 @@ class RemotePrompt(bytes):
 class PreciseTracker(CacheTracker):
     def __init__(self, routing: RoutingSettings, settings: KvEventsSettings, clock: Callable[[], float]) -> None:
         self.block_size = settings.block_size
+        self.answer_chars = 0  # the engine's KV events report the blocks it decoded
         self._count_demand(clock)
 
         def index(ttl_s: float) -> PrefixIndex:

@@ -96,6 +96,16 @@ class BlockHashes(Sequence[int]):
             self._extend(self._count)
         return self._hashes
 
+    def continued(self, more: str) -> BlockHashes:
+        """The hashes of this text followed by `more`. Every whole block of this text is a
+        whole block of the longer one too, with the same hash, so only the rest is hashed."""
+        source = self._source
+        if not isinstance(source, str):
+            raise TypeError("only text continues as text")
+        longer = BlockHashes(source + more, self._unit, self._seed)
+        longer._hashes = list(self.all())
+        return longer
+
     def _extend(self, upto: int) -> None:
         hashes = self._hashes
         # Doubling, at least 16: a dozen small calls would cost more than hashing a few extra

@@ -184,6 +184,18 @@ def canonical_prompt(route: str, data: Mapping[str, Any]) -> str | list[int]:
     return _text_of(data.get("prompt"))
 
 
+def answer_continuation(route: str, answer: str) -> str | None:
+    """What follows a prompt's canonical text in the next prompt of its conversation, which
+    sends `answer` back: a chat's next messages hold it as the assistant's, a completion's
+    next prompt (and SGLang's /generate text) goes on from it. None for routes whose answers
+    never come back as prompts."""
+    if route == "/v1/chat/completions":
+        return "\n<|assistant|>" + answer
+    if route in ("/v1/completions", "/generate"):
+        return answer
+    return None
+
+
 # Prompts nest at most twice (a batch of token-id lists); deeper structures are not prompts
 # and are left for the replica to refuse, not walked (a deep one would exhaust the stack).
 MAX_PROMPT_NESTING = 4

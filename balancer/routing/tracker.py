@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from balancer.config import RoutingSettings
+from balancer.routing.answer_returns import AnswerReturns
 from balancer.routing.fleet import Replica
 from balancer.routing.index import PrefixIndex
 from balancer.routing.prefix import BlockHashes, PrefixHasher
@@ -50,6 +51,12 @@ class Routed:
     prefix_rate: float = 0.0
     demand_counted: bool = False
 
+    def blocks(self, cached_tokens: int) -> int:
+        """The whole blocks behind a predicted count of cached tokens. The count was cut to an
+        integer from blocks × a fractional block size, so it is rounded back: truncating
+        would lose the last block whenever the product fell a hair short."""
+        return round(cached_tokens / self.block_tokens)
+
 
 @dataclass(frozen=True, slots=True)
 class Lesson:
@@ -69,6 +76,7 @@ class CacheTracker:
     def __init__(self, settings: RoutingSettings, clock: Callable[[], float]) -> None:
         self._count_demand(clock)
         self.hasher = PrefixHasher(settings.block_chars, settings.tokens_per_char)
+        self.answer_chars = settings.index_answer_chars
         self.ratio = TokenRatio(settings.tokens_per_char, learn=settings.learn_tokens_per_char)
         self.index = PrefixIndex(
             tokens_per_block=self.hasher.tokens_per_block,
@@ -96,13 +104,15 @@ class CacheTracker:
     def _count_demand(self, clock: Callable[[], float]) -> None:
         self.clock = clock
         self.demand = PrefixDemand()
+        self.answer_returns = AnswerReturns()
 
     def _with_demand(self, routed: Routed) -> Routed:
         if routed.cached:
-            deepest = int(max(routed.cached.values()) / routed.block_tokens)
+            deepest = routed.blocks(max(routed.cached.values()))
             if deepest > 0:
                 routed.demand_key = key = routed.hashes[deepest - 1]
                 routed.prefix_rate = self.demand.rate(key, self.clock())
+                self.answer_returns.prompt_met(key)
         return routed
 
     def uncached(self, routed: Routed, replica: Replica) -> int:
@@ -119,7 +129,7 @@ class CacheTracker:
             self.on_record(replica.name, routed.hashes, routed.adapter)
 
     def _record_routed(self, routed: Routed, replica: Replica) -> None:
-        blocks = int(routed.cached.get(replica.name, 0) / routed.block_tokens)
+        blocks = routed.blocks(routed.cached.get(replica.name, 0))
         routed.predicted_last_use = (
             self.index.last_use(replica.name, routed.hashes[blocks - 1]) if blocks else None
         )
@@ -127,6 +137,23 @@ class CacheTracker:
 
     def first_byte(self, routed: Routed, replica: Replica) -> None:
         """`replica` has answered: its prefill is done (called once per attempt)."""
+
+    def record_answer(self, routed: Routed, replica: Replica, continuation: str) -> None:
+        """`replica` wrote a whole answer after the prompt, and its text as the next turn's
+        canonical prompt would hold it is `continuation`. Engines keep an answer's KV cached
+        after its prompt's (vLLM caches each block it fills while decoding, SGLang inserts
+        the whole sequence when it ends), so the next turn, which sends the answer back,
+        finds it there. Text prompts only: token ids carry no answer text to hash. Only
+        while answers come back (routing/answer_returns.py)."""
+        if not routed.chars or not continuation or not self.answer_returns.worth_recording():
+            return
+        hashes = routed.hashes.continued(continuation[: self.answer_chars])
+        if len(hashes) <= len(routed.hashes):
+            return  # not a whole block more
+        self.index.record(replica.name, hashes)
+        self.answer_returns.recorded_answer(hashes[-1])
+        if self.on_record is not None:
+            self.on_record(replica.name, hashes, routed.adapter)
 
     def transferred(self, routed: Routed, replica: Replica) -> None:
         """The prompt's KV was copied to `replica`, a decode replica of a disaggregated pair:
@@ -140,7 +167,7 @@ class CacheTracker:
             self._forget_attempt(routed, replica)
 
     def _forget_attempt(self, routed: Routed, replica: Replica) -> None:
-        had = int(routed.cached.get(replica.name, 0) / routed.block_tokens)
+        had = routed.blocks(routed.cached.get(replica.name, 0))
         self.index.truncate(replica.name, routed.hashes, had)
 
     def learn(self, routed: Routed, replica: Replica, prompt_tokens: int, cached_tokens: int | None) -> Lesson | None:

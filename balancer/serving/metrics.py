@@ -27,6 +27,7 @@ from balancer.protocol import (
     METRIC_PREFIX_INDEX_ENTRIES,
     METRIC_REQUESTS,
 )
+from balancer.routing.answer_returns import EXPLORE_EVERY, MIN_RETURN_SHARE, AnswerReturns
 from balancer.routing.batch_persistence import BatchPersistences
 from balancer.routing.breaker import STATE_VALUES
 from balancer.routing.fleet import Fleet
@@ -94,6 +95,7 @@ class Metrics(Collector):
         self.fleet = fleet
         self.index = index  # the prefix index, for cache-aware policies
         self.token_ratio: TokenRatio | None = None  # the approximate index's tokens per character
+        self.answer_returns: AnswerReturns | None = None  # whether answers come back, where recorded
         self.batch_persistence: BatchPersistences | None = None  # the routing core's, per model
         self.requests: defaultdict[tuple[str, str, str, int], int] = defaultdict(int)
         self.durations: defaultdict[str, _Histogram] = defaultdict(_Histogram)
@@ -327,6 +329,15 @@ class Metrics(Collector):
             for model, ratio in self.token_ratio.models().items():
                 per_char.add_metric([model], ratio)
             yield per_char
+
+        if self.answer_returns is not None:
+            yield GaugeMetricFamily(
+                "kvlb_answer_return_share",
+                "Share of the answers recorded in the prefix index lately that a later prompt "
+                f"sent back (a conversation's next turn); under {MIN_RETURN_SHARE}, only one "
+                f"answer in {EXPLORE_EVERY} is recorded",
+                value=self.answer_returns.share,
+            )
 
         if self.batch_persistence is not None:
             persistence = GaugeMetricFamily(

@@ -25,6 +25,7 @@ from balancer.errors import ClientError
 from balancer.protocol import GENERATE_ROUTE, REPLICA_HEADER
 from balancer.routing.core import Journey, RoutingCore
 from balancer.routing.fleet import Replica
+from balancer.serving.answer_text import AnswerText
 from balancer.serving.metrics import Metrics
 from balancer.serving.tracing import TRACE_HEADERS
 from balancer.serving.usage import (
@@ -368,7 +369,9 @@ class Proxy:
             request.respond(resp.status, headers, data)
             outcome.first_byte_at = asyncio.get_running_loop().time()
             read_usage = self.read_usage and has_usage(data)
-            payload = parse_json(data) if read_usage or (routed is not None and PROMPT_MARK in data) else None
+            answer = self._answer_text(journey, resp)
+            payload = (parse_json(data) if read_usage or answer is not None
+                       or (routed is not None and PROMPT_MARK in data) else None)
             counts = counts_of(payload)
             if read_usage:
                 outcome.tokens = counts
@@ -377,6 +380,9 @@ class Proxy:
                 self._learn(journey, replica, learnable(counts))
                 if counts is not None and counts.output is not None:
                     self.core.learned_output(journey, counts.output)
+            if answer is not None:
+                answer.body(payload=payload)
+                self.core.answered_text(journey, answer.text)
             return None
 
         stream = await request.start_stream(resp.status, headers, length)
@@ -388,10 +394,16 @@ class Proxy:
         usage: list[bytes] = []
         on_chunk = None
         teaches = journey.reads_answer
+        generate = journey.features.route == GENERATE_ROUTE
+        answer = self._answer_text(journey, resp)
+        # /generate repeats its text so far in every event: its last one is read at the end.
+        feed = None if answer is None or generate else answer.feed
         if self.read_usage or teaches:
-            mark = META_MARK if journey.features.route == GENERATE_ROUTE else USAGE_MARK
+            mark = META_MARK if generate else USAGE_MARK
 
             def on_chunk(chunk: bytes) -> None:
+                if feed is not None:
+                    feed(chunk)
                 if mark in chunk:
                     usage[:] = [chunk]
                     if routed is not None and not routed.learned:
@@ -428,7 +440,19 @@ class Proxy:
             if error is not None:
                 self.metrics.observe_itl_error(error)
         await stream.end()
+        if answer is not None:  # after the client has its whole answer
+            if generate and usage:
+                answer.from_last_event(b"".join(usage))
+            self.core.answered_text(journey, answer.text)
         return None
+
+    def _answer_text(self, journey: Journey, resp: UpstreamResponse) -> AnswerText | None:
+        """A collector of the answer's text where the index records it: a success only,
+        since an error body is not an answer the next turn would send back."""
+        if resp.status != 200:
+            return None
+        chars = self.core.answer_chars(journey)
+        return AnswerText(journey.features.route, chars) if chars else None
 
     def _broken_body(self, journey: Journey, replica: Replica, exc: Exception, idle_s: float) -> ClientError:
         """A whole answer the replica cut or stalled before the client saw any of it."""

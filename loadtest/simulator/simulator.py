@@ -32,6 +32,7 @@ engine that much after it left the balancer, and each token that much after the 
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from collections import deque
@@ -73,7 +74,7 @@ from loadtest.replica.engine import (
 )
 from loadtest.replica.kv_events import MEDIUM
 from loadtest.replica.parsing import ApiError, GenerationRequest, parse_chat, parse_completion
-from loadtest.replica.tokens import word_token_id
+from loadtest.replica.tokens import output_text, word_token_id
 from loadtest.simulator.fleetspec import FleetPlan
 from loadtest.simulator.flow import SimulatedFlow
 from policies.base import Policy, RequestFeatures
@@ -88,6 +89,12 @@ MODEL = "sim-model"
 KV_EVENTS, STEP, FIRST_TOKEN, FINISH, ARRIVE, REACH, TIMER, QUEUE_TIMEOUT, ROOM_TIMEOUT = range(9)
 # Distinct words whose token ids are remembered; past it, the memory starts over.
 MAX_REMEMBERED_WORDS = 1_000_000
+
+
+@functools.lru_cache(maxsize=256)
+def answer_text(tokens: int, chars: int) -> str:
+    """What the simulated replica writes for an answer of `tokens` tokens, its first `chars`."""
+    return output_text(tokens)[:chars]
 
 
 class TokenIds(dict[str, int]):
@@ -548,6 +555,9 @@ class Simulator:
         core.learn(journey, seq.prompt_tokens, seq.cached_tokens)
         if journey.reads_answer:  # as the proxy does
             core.learned_output(journey, seq.num_generated, self.now)
+        if flight.decode is None and (chars := core.answer_chars(journey)):
+            # The replica's answer, as the workload's next turn sends it back.
+            core.answered_text(journey, answer_text(seq.num_generated, chars))
         core.answered(journey, self.now, True, None)
         core.end_attempt(journey, answered=True, now=self.now)
         request = flight.request

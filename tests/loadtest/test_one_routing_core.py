@@ -27,8 +27,8 @@ from loadtest.simulator.fleetspec import uniform_fleet
 from loadtest.simulator.simulator import MODEL, Simulator
 from tests.conftest import make_settings, run_balancer
 
-STEPS = ("candidates", "plan", "next_attempt", "first_byte", "learn", "learned_output", "failed",
-         "held_off", "answered", "end_attempt")
+STEPS = ("candidates", "plan", "next_attempt", "first_byte", "learn", "learned_output", "answered_text",
+         "failed", "held_off", "answered", "end_attempt")
 FLOW_STEPS = ("arrive", "saturated", "placed", "done", "expire")
 FLOW = {"enabled": True, "trust_headers": True, "default_class": "standard",
         "classes": [{"name": "critical", "ttft_slo_ms": 2000}, {"name": "standard"}]}
@@ -145,6 +145,7 @@ async def test_the_proxy_and_the_simulator_take_the_same_steps_to_the_same_state
     assert chosen == {"replica-0", "replica-1"}
     assert any(pair[1] > 0 for step in expected for prompt in step[3] for pair in prompt)
     assert any(load[2] > 0 for step in expected for load in step[2])
+    assert any(step[0] == "answered_text" for step in expected)  # answers enter the index
     assert len(seen) == len(expected)
     for i, (live_step, offline_step) in enumerate(zip(seen, expected, strict=True)):
         assert live_step == offline_step, f"step {i} differs"
