@@ -434,7 +434,7 @@ def report(routers: list[Router], args: argparse.Namespace) -> None:
     def total_per_chunk(router: Router, key: str) -> float:
         return sum(r[key] for r in router.runs) / sum(r["events"] for r in router.runs)
 
-    print(f"{'':<10} {'streams/s':>9} {'complete':>9} {'chunks':>7} {'per read':>8} "
+    print(f"{'':<15} {'streams/s':>9} {'complete':>9} {'chunks':>7} {'per read':>8} "
           f"{'TTFT p50':>9} {'vs direct':>9} {'e2e p50':>8} {'e2e p99':>8} {'vs direct':>9} "
           f"{'CPU/chunk':>9} {'user+sys':>10} {'CPU/stream':>10} {'client/chunk':>12} {'all/chunk':>9}")
     d_ttft, d_p50 = pct(merged(direct, "ttft"), .5), pct(merged(direct, "total"), .5)
@@ -447,7 +447,7 @@ def report(routers: list[Router], args: argparse.Namespace) -> None:
         everything = total_per_chunk(router, "client") + total_per_chunk(router, "upstream")
         if router.proc is not None:
             everything += total_per_chunk(router, "user") + total_per_chunk(router, "system")
-        print(f"{router.name:<10} {rate:>9.1f} {sum(r['good'] for r in runs):>4}/{streams:<4} {chunk_events:>7} "
+        print(f"{router.name:<15} {rate:>9.1f} {sum(r['good'] for r in runs):>4}/{streams:<4} {chunk_events:>7} "
               f"{chunk_events / max(1, sum(r['reads'] for r in runs)):>8.2f} "
               f"{pct(ttft, .5) * 1e3:>7.2f}ms {(pct(ttft, .5) - d_ttft) * 1e3:>+7.2f}ms "
               f"{pct(total, .5) * 1e3:>6.1f}ms {pct(total, .99) * 1e3:>6.1f}ms "
@@ -465,7 +465,11 @@ def report(routers: list[Router], args: argparse.Namespace) -> None:
             if name in by_name:
                 ratio = median(per_chunk(by_name[name])) / median(per_chunk(by_name["sglang"]))
                 print(f"{name}/sglang CPU per relayed chunk: {ratio:.2f}  (goal: <= 1.00)")
+    if "kvlb-no-answers" in by_name and "kvlb" in by_name:
+        ratio = median(per_chunk(by_name["kvlb"])) / median(per_chunk(by_name["kvlb-no-answers"]))
+        print(f"kvlb/kvlb-no-answers CPU per relayed chunk: {ratio:.2f} (reading answers into the index)")
     print("kvlb-nagle: kvlb with listen.tcp_nodelay false, Nagle on towards clients as in sglang-router;")
+    print("kvlb-no-answers: kvlb with routing.index_answer_chars 0, answers not read into the prefix index;")
     print("complete: streams whose every event and [DONE] arrived, checked byte for byte; chunks: SSE "
           "events received;")
     print("per read: events per socket read at the client, above 1 where a router coalesced them "
@@ -491,18 +495,13 @@ async def bench(args: argparse.Namespace) -> None:
                      "--port", str(kvlb_port), "--policy", args.policy], kvlb_port, "/ready", env))
         # The same kvlb with Nagle left on towards clients, as SGLang's router has it: the kernel
         # then coalesces chunks, which is most of what separates the two in CPU per chunk.
-        nagle_port = free_port()
-        nagle_config = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
-        with nagle_config:
-            yaml.safe_dump({"listen": {"host": "127.0.0.1", "port": nagle_port, "tcp_nodelay": False},
-                            "replicas": [{"url": f"http://127.0.0.1:{upstream_port}"}],
-                            "policy": {"name": args.policy}}, nagle_config)
-        try:
-            routers.append(await start_router(
-                "kvlb-nagle", [sys.executable, "-m", "balancer", "serve", "--config", nagle_config.name],
-                nagle_port, "/ready", env))
-        finally:
-            os.unlink(nagle_config.name)
+        routers.append(await start_configured_kvlb("kvlb-nagle", upstream_port, args.policy,
+                                                   {"listen": {"tcp_nodelay": False}}, env))
+        if args.policy != "least_load":
+            # A cache-aware policy reads each streamed answer's text into its prefix index;
+            # the same kvlb without that shows what the reading costs.
+            routers.append(await start_configured_kvlb("kvlb-no-answers", upstream_port, args.policy,
+                                                       {"routing": {"index_answer_chars": 0}}, env))
         python = sglang_python(args.sglang_python)
         if python is None:
             note = ("sglang: skipped, no sglang-router (give --sglang-python or KVLB_SGLANG_PYTHON, or "
@@ -539,6 +538,23 @@ async def bench(args: argparse.Namespace) -> None:
             if router.proc is not None:
                 stop_process(router.proc)
         stop_process(upstream)
+
+
+async def start_configured_kvlb(name: str, upstream_port: int, policy: str, sections: dict,
+                                env: dict[str, str]) -> Router:
+    port = free_port()
+    config: dict = {"listen": {"host": "127.0.0.1", "port": port},
+                    "replicas": [{"url": f"http://127.0.0.1:{upstream_port}"}], "policy": {"name": policy}}
+    for key, value in sections.items():
+        config[key] = {**config.get(key, {}), **value}
+    config_file = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
+    with config_file:
+        yaml.safe_dump(config, config_file)
+    try:
+        return await start_router(name, [sys.executable, "-m", "balancer", "serve", "--config", config_file.name],
+                                  port, "/ready", env)
+    finally:
+        os.unlink(config_file.name)
 
 
 def profiler_start(command: str, kvlb: Router) -> subprocess.Popen:
