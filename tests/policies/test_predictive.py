@@ -210,7 +210,7 @@ def test_a_prefill_that_would_stall_a_busy_batch_keeps_the_conversation_where_it
     req = request(6000, {"warm": 5800}, max_tokens=200)
     exact = {"tie_tolerance_ms": 0, "tie_tolerance_ratio": 0}
     assert first(make_policy("predictive", exact), fleet, req) == "warm"
-    assert first(make_policy("predictive", {**exact, "prefill_stall_weight": 0}), fleet, req) == "cold"
+    assert first(make_policy("predictive", {**exact, "prefill_stall_weight": 0, "avoidable_stall_weight": 0}), fleet, req) == "cold"
 
 
 def test_replicas_not_yet_fitted_count_as_the_fitted_median() -> None:

@@ -18,7 +18,7 @@ from tests.fakes import FakeReplica
 def _turn() -> tuple[RequestFeatures, FakeReplica, FakeReplica]:
     # The conversation's replica holds 6,000 of its 7,600 tokens and decodes 3 answers; the
     # other holds none of it and decodes 2. Its 1,500-token answer would decode beside one
-    # sequence fewer there, which at the default outweighs prefilling the conversation again.
+    # sequence fewer there, which unpriced outweighs prefilling the conversation again.
     home = FakeReplica("home", decoding=3, context_tokens=3 * 7000)
     other = FakeReplica("other", decoding=2, context_tokens=2 * 7000)
     features = RequestFeatures("/v1/chat/completions", stream=True, prompt_tokens=7600,
@@ -29,7 +29,7 @@ def _turn() -> tuple[RequestFeatures, FakeReplica, FakeReplica]:
 
 def test_a_conversation_stays_where_it_is_cached_when_its_avoidable_stall_is_priced() -> None:
     features, home, other = _turn()
-    blind = PredictivePolicy(seed=0, tie_tolerance_ms=0.0, tie_tolerance_ratio=0.0)
+    blind = PredictivePolicy(seed=0, tie_tolerance_ms=0.0, tie_tolerance_ratio=0.0, avoidable_stall_weight=0.0)
     assert blind.rank(features, [home, other])[0].replica is other
     priced = PredictivePolicy(seed=0, tie_tolerance_ms=0.0, tie_tolerance_ratio=0.0, avoidable_stall_weight=0.8)
     ranked = priced.rank(features, [home, other])
@@ -55,8 +55,8 @@ def test_a_prompt_no_replica_holds_is_ranked_as_without_it() -> None:
 
 
 def test_long_answer_conversations_keep_their_cache_offline() -> None:
-    # 48 conversations of 6 turns, each 25 s after the last, 1,500-token answers: at the
-    # default, a ninth of the follow-ups leave their replica for a smaller batch.
+    # 48 conversations of 6 turns, each 25 s after the last, 1,500-token answers: unpriced,
+    # a ninth of the follow-ups leave their replica for a smaller batch.
     workload = load_workload("multi-turn,sessions=48,turns=6,output_tokens=1500,think_s=25,rate=2")
 
     def run(params: dict) -> tuple[float, int]:
@@ -68,7 +68,7 @@ def test_long_answer_conversations_keep_their_cache_offline() -> None:
                     for a, b in zip(replicas, replicas[1:], strict=False))
         return summarize(result.records, result.duration_s)["cache_hit_ratio"], moved
 
-    default_hit, default_moved = run({})
-    priced_hit, priced_moved = run({"avoidable_stall_weight": 0.8})
-    assert priced_hit > default_hit + 0.05
-    assert priced_moved < default_moved / 2
+    unpriced_hit, unpriced_moved = run({"avoidable_stall_weight": 0.0})
+    priced_hit, priced_moved = run({})  # the default
+    assert priced_hit > unpriced_hit + 0.05
+    assert priced_moved < unpriced_moved / 2
