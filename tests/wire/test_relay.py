@@ -4,15 +4,17 @@ a stream stops (balancer/wire/relay.py)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import socket
 from contextlib import AsyncExitStack
 
+import aiohttp
 import orjson
 from aiohttp import web
 
 from tests.conftest import make_settings, run_balancer, serve_app
-from tests.upstreams import healthy
+from tests.upstreams import Seen, healthy, slow_sse_app
 
 PIECE = 64 * 1024
 PIECES = 512  # 32 MiB: far more than any buffer on the way, so only backpressure keeps up
@@ -122,3 +124,30 @@ async def test_a_client_that_stops_reading_is_cut_and_the_replica_is_not_blamed(
         assert ("r", "broken_stream") not in metrics.attempts
         assert metrics.attempts[("r", "ok")] == 1
         assert running.balancer.fleet.by_name["r"].breaker.failures == 0
+
+
+async def test_a_relayed_stream_leaves_nothing_for_the_cyclic_collector() -> None:
+    """Each streamed request's state goes with its last reference. State caught in a
+    reference cycle waits for the collector's full passes, which then walk every request of
+    the last seconds at once and stall all streams for 100 ms and more."""
+    seen = Seen()
+    async with AsyncExitStack() as stack:
+        url = await stack.enter_async_context(serve_app(slow_sse_app(seen, chunks=8, gap_s=0)))
+        running = await stack.enter_async_context(run_balancer(make_settings([url])))
+        http = await stack.enter_async_context(aiohttp.ClientSession())
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds stays in gc.garbage to look at
+        try:
+            for _ in range(20):
+                async with http.post(running.url + "/v1/completions",
+                                     json={"model": "m", "prompt": "a prompt", "stream": True}) as resp:
+                    assert resp.status == 200
+                    assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+            gc.collect()
+            cyclic = sorted({type(o).__qualname__ for o in gc.garbage
+                             if type(o).__module__.startswith(("balancer.", "policies."))})
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+    assert seen.requests == 20
+    assert cyclic == []
