@@ -277,8 +277,8 @@ class RoutingSettings:
     index_ttl_s: float = _checked(600.0, _positive)
     index_max_entries: int = _checked(2_000_000, _at_least(1))
     # An answer's first characters enter the index after its prompt, on the replica that
-    # wrote it (a conversation's next turn sends it back); 0, the default, keeps answers out.
-    index_answer_chars: int = _checked(0, _at_least(0))
+    # wrote it (a conversation's next turn sends it back); 0 keeps answers out.
+    index_answer_chars: int = _checked(65_536, _at_least(0))
     # A replica's KV capacity when neither its config nor the engine says (vLLM does not):
     # the index never predicts more cached than this, so a stream of distinct prompts costs
     # a bounded share of memory per replica rather than the whole budget.

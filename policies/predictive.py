@@ -161,18 +161,16 @@ class PredictivePolicy(Policy):
         4x (seeds 0-2) the hit is 0.260-0.266 with it, 0.217-0.229 without, and end-to-end
         p50 3.5-3.6 s against 4.9-5.9 s; on 256 tenants of 6,000-token prompts over 4
         replicas in overload, TTFT p50 141 ms against 640.
-    avoidable_stall_weight (>= 0; default 0.0)
+    avoidable_stall_weight (>= 0; default 0.8)
         Weight, added to prefill_stall_weight, of the stall that the part of this request's
         prefill a cache on another candidate would have saved inflicts on each sequence
         decoding on the replica, at β = 0: what a conversation pays its new replica's batch
-        for leaving the one that holds it. Off by default. With 1,500-token answers (48
-        conversations of 6 turns, each 25 s after the last, 8 replicas) the decode term
-        moved 87 of 240 follow-up turns to smaller batches, for no gain in time per token:
-        hit 0.693 and TTFT p99 226 ms at 0, 0.899 and 100 ms at 0.8 (`cache_aware`: 0.941 and
-        36 ms); with answers in the prefix index (routing.index_answer_chars), 0.869 and 225
-        ms at 0, 0.941 and 36 ms at 0.8. On the shared trace it trades: at 0.8, over seeds 0-3
-        at 4x, hit 0.265 to 0.272 on average but TTFT p99 4.9 to 5.5 s; with answers in the
-        index that trade is gone (hit 0.266 to 0.276, TTFT p99 5.1 to 5.0 s).
+        for leaving the one that holds it. With 1,500-token answers (48 conversations of 6
+        turns, each 25 s after the last, 8 replicas) the decode term at 0 moved 27 of 240
+        follow-up turns to smaller batches, for no gain in time per token: hit 0.869 and
+        TTFT p99 225 ms at 0, 0.941 and 36 ms at 0.8, as `cache_aware`. On the shared trace
+        at 0.8, over seeds 0-3 at 4x, hit 0.266 to 0.276 and TTFT p99 5.1 to 5.0 s on
+        average; at 1x (seed 0) hit 0.323 to 0.333, TTFT p99 2.34 to 2.37 s.
     fleet_decode_weight (>= 0; default 0.0)
         Weight, inside the fleet's work, of the slowdown this request's decode adds to the
         sequences beside it. Off by default: on the shared trace in overload it spread
@@ -256,7 +254,7 @@ class PredictivePolicy(Policy):
         fleet_weight: float = 4.0,
         fleet_decode_weight: float = 0.0,
         prefill_stall_weight: float = 0.2,
-        avoidable_stall_weight: float = 0.0,
+        avoidable_stall_weight: float = 0.8,
         use_fitted_speed: bool = True,
         use_fitted_terms: bool = True,
         learn_batch_persistence: bool = True,

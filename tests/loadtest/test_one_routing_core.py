@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from balancer.config import PolicySettings, RoutingSettings, parse_settings
+from balancer.config import PolicySettings, parse_settings
 from balancer.routing.core import RoutingCore
 from loadtest.client.workloads import WorkRequest, load_workload
 from loadtest.replica.config import ReplicaConfig
@@ -33,8 +33,6 @@ FLOW_STEPS = ("arrive", "saturated", "placed", "done", "expire")
 FLOW = {"enabled": True, "trust_headers": True, "default_class": "standard",
         "classes": [{"name": "critical", "ttft_slo_ms": 2000}, {"name": "standard"}]}
 REPLICAS = 2
-# Answers enter the index too, so that step is taken alike.
-ROUTING = {"index_answer_chars": 65536}
 # Small caches, so the sequence also makes the engines evict and the index learn of it.
 KV_CAPACITY = 1000
 # Shared prefixes (the cache matters) and several rounds (the index is read back).
@@ -95,7 +93,7 @@ def watch(core: RoutingCore) -> list[tuple[Any, ...]]:
 def offline(requests: list[WorkRequest], flow: bool = False) -> list[tuple[Any, ...]]:
     settings = parse_settings({"replicas": [{"url": "http://127.0.0.1:9"}], "flow_control": FLOW}) if flow else None
     sim = Simulator(uniform_fleet(REPLICAS, kv_capacity_tokens=KV_CAPACITY), PolicySettings(name="cache_aware", seed=7),
-                    flow=settings, routing=RoutingSettings(**ROUTING))
+                    flow=settings)
     steps = watch(sim.core)
     for request in requests:
         # One at a time, as the live side sends them: each starts once the last has ended.
@@ -113,7 +111,7 @@ async def live(requests: list[WorkRequest], flow: bool = False) -> list[tuple[An
             urls.append(replica.url)
         settings = make_settings(
             [{"url": url, "name": f"replica-{i}", "model": MODEL} for i, url in enumerate(urls)],
-            policy={"name": "cache_aware", "seed": 7}, routing=ROUTING, **({"flow_control": FLOW} if flow else {}),
+            policy={"name": "cache_aware", "seed": 7}, **({"flow_control": FLOW} if flow else {}),
         )
         kvlb = await stack.enter_async_context(run_balancer(settings))
         core = kvlb.balancer.core

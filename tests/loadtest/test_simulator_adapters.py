@@ -22,7 +22,7 @@ def test_knowing_the_slots_loads_fewer_adapters_and_answers_sooner():
     _, blind, blind_loads = run({"adapter_weight": 0})
     sim, aware, aware_loads = run({})
     assert blind["errors"] == aware["errors"] == 0
-    assert aware_loads * 1.5 < blind_loads, (aware_loads, blind_loads)
+    assert aware_loads * 1.3 < blind_loads, (aware_loads, blind_loads)
     assert aware["ttft_s"]["p50"] < blind["ttft_s"]["p50"] / 2
     # kvlb's account of each replica's slots follows what the engines did.
     predicted = sum(r.adapter_slots.loads for r in sim.fleet.replicas)

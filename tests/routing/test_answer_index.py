@@ -9,7 +9,6 @@ from balancer.routing.request import answer_continuation, canonical_prompt
 from balancer.routing.tracker import CacheTracker
 
 CHAT = "/v1/chat/completions"
-ON = 65536  # routing.index_answer_chars: off by default
 SYSTEM = "You are a patient tutor who explains physics with care. " * 20
 ANSWER = "Light bends because its speed changes between materials, and so on. " * 30
 
@@ -38,7 +37,7 @@ def answered(tracker: CacheTracker, where: Replica, text: str, adapter: str | No
 
 
 def test_the_next_turn_matches_the_answer_on_the_replica_that_wrote_it() -> None:
-    tracker = CacheTracker(RoutingSettings(learn_tokens_per_char=False, index_answer_chars=ON), clock=lambda: 0.0)
+    tracker = CacheTracker(RoutingSettings(learn_tokens_per_char=False), clock=lambda: 0.0)
     a = replica("a")
     before = tracker.predict(SECOND).cached.get("a", 0)
     answered(tracker, a, FIRST)
@@ -52,7 +51,7 @@ def test_the_next_turn_matches_the_answer_on_the_replica_that_wrote_it() -> None
 
 
 def test_an_answer_under_one_adapter_is_not_cached_under_another() -> None:
-    tracker = CacheTracker(RoutingSettings(index_answer_chars=ON), clock=lambda: 0.0)
+    tracker = CacheTracker(RoutingSettings(), clock=lambda: 0.0)
     a = replica("a")
     answered(tracker, a, FIRST, adapter="sql")
     deep = tracker.predict(SECOND, adapter="sql").cached["a"]
@@ -62,7 +61,7 @@ def test_an_answer_under_one_adapter_is_not_cached_under_another() -> None:
 
 
 def test_peers_hear_of_the_answer_and_token_id_prompts_record_nothing() -> None:
-    tracker = CacheTracker(RoutingSettings(index_answer_chars=ON), clock=lambda: 0.0)
+    tracker = CacheTracker(RoutingSettings(), clock=lambda: 0.0)
     heard: list[tuple[str, int]] = []
     tracker.on_record = lambda name, hashes, adapter: heard.append((name, len(hashes)))
     a = replica("a")
@@ -85,7 +84,7 @@ def test_no_answer_characters_no_answer() -> None:
 
 
 def test_answers_that_never_come_back_stop_filling_the_index() -> None:
-    tracker = CacheTracker(RoutingSettings(index_answer_chars=ON), clock=lambda: 0.0)
+    tracker = CacheTracker(RoutingSettings(), clock=lambda: 0.0)
     a = replica("a")
     recorded = 0
     for n in range(200):  # one-shot questions: no answer is ever sent back
@@ -100,7 +99,7 @@ def test_answers_that_never_come_back_stop_filling_the_index() -> None:
 
 
 def test_conversations_keep_their_answers_recorded() -> None:
-    tracker = CacheTracker(RoutingSettings(index_answer_chars=ON), clock=lambda: 0.0)
+    tracker = CacheTracker(RoutingSettings(), clock=lambda: 0.0)
     a = replica("a")
     for n in range(50):
         history = [("system", f"Conversation {n}. " + SYSTEM), ("user", "Why does light bend?")]

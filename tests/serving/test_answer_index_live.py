@@ -12,7 +12,6 @@ import aiohttp
 import orjson
 import pytest
 
-from balancer.config import RoutingSettings
 from loadtest.replica.config import ReplicaConfig
 from loadtest.replica.launch import running_replica
 from loadtest.replica.tokens import FILLER_WORDS
@@ -77,8 +76,7 @@ async def two_turns(route: str, stream: bool, routing: dict[str, Any]) -> tuple[
         server = await stack.enter_async_context(running_replica(ReplicaConfig(model=MODEL, time_scale=200)))
         settings = make_settings([{"url": f"http://127.0.0.1:{server.port}", "name": "r0"}],
                                  policy={"name": "cache_aware"}, routing={"route_header": True, "tokens_per_char": TOKENS_PER_CHAR,
-                                          "learn_tokens_per_char": False, "index_answer_chars": 65536,
-                                          **routing})
+                                          "learn_tokens_per_char": False, **routing})
         running = await stack.enter_async_context(run_balancer(settings))
         answer = ""
         async with aiohttp.ClientSession() as http:
@@ -109,9 +107,8 @@ async def test_the_next_turn_is_predicted_to_find_the_answer_cached(route: str, 
     assert 0.8 * reported <= predicted <= 1.2 * reported, (predicted, reported)
 
 
-async def test_by_default_only_the_prompt_is_predicted() -> None:
+async def test_without_answers_in_the_index_only_the_prompt_is_predicted() -> None:
     _, predicted, reported = await two_turns("/v1/chat/completions", True, {"index_answer_chars": 0})
-    assert RoutingSettings().index_answer_chars == 0
     assert reported > ANSWER_TOKENS
     assert predicted < 0.5 * reported, (predicted, reported)
 
