@@ -24,6 +24,7 @@ from balancer.serving.adapter_loader import AdapterLoader
 from balancer.serving.admission import Admission
 from balancer.serving.auth import authenticator, replica_key
 from balancer.serving.fleet_endpoints import FleetEndpoints
+from balancer.serving.gc_pauses import GcPauses
 from balancer.serving.journey import Forwarder
 from balancer.serving.metrics import Metrics
 from balancer.serving.proxy import Proxy
@@ -54,6 +55,8 @@ class Balancer:
         self.fleet = self.core.fleet
         self.tracker: CacheTracker | None = self.core.tracker
         self.metrics = Metrics(self.fleet)
+        self.gc_pauses = GcPauses()
+        self.metrics.registry.register(self.gc_pauses)
         self.prompt_tokens: PromptTokens | None = None
         self.kv_events: KvEventSubscriber | None = None
         if isinstance(self.tracker, PreciseTracker):
@@ -152,6 +155,7 @@ class Balancer:
     async def start(self) -> None:
         # Health checks and model discovery are rare and use aiohttp's client; forwarding, the
         # hot path, uses the lean pool.
+        self.gc_pauses.start()
         self.session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
         discovery = self._discovery = ModelWatcher(
             self.fleet, self.settings.models, self.session,
@@ -177,6 +181,7 @@ class Balancer:
             self.kv_events.subscribe(replica.name, endpoint)
 
     async def stop(self) -> None:
+        self.gc_pauses.stop()
         if self.sync is not None:
             await self.sync.stop()
         if self.kv_events is not None:

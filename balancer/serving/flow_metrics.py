@@ -17,14 +17,14 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from balancer.routing.flow import REASONS, FlowController, Ticket
-from balancer.serving.metrics import _Histogram
+from balancer.serving.metrics import Histogram
 
 
 @dataclass(slots=True)
 class _Counts:
     """One (class, tenant)'s figures: one lookup per request ended."""
 
-    queue_time: _Histogram = field(default_factory=_Histogram)
+    queue_time: Histogram = field(default_factory=Histogram)
     served: int = 0
     tokens: float = 0.0
     slo_met: int = 0

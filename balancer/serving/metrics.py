@@ -67,7 +67,7 @@ ADAPTER_REPLICA_METRICS: tuple[tuple[Any, str, str], ...] = (
 )
 
 
-class _Histogram:
+class Histogram:
     __slots__ = ("bounds", "counts", "total")
 
     def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
@@ -98,9 +98,9 @@ class Metrics(Collector):
         self.answer_returns: AnswerReturns | None = None  # whether answers come back, where recorded
         self.batch_persistence: BatchPersistences | None = None  # the routing core's, per model
         self.requests: defaultdict[tuple[str, str, str, int], int] = defaultdict(int)
-        self.durations: defaultdict[str, _Histogram] = defaultdict(_Histogram)
-        self.ttfts: defaultdict[tuple[str, str], _Histogram] = defaultdict(_Histogram)
-        self.decisions: defaultdict[str, _Histogram] = defaultdict(lambda: _Histogram(DECISION_BUCKETS))
+        self.durations: defaultdict[str, Histogram] = defaultdict(Histogram)
+        self.ttfts: defaultdict[tuple[str, str], Histogram] = defaultdict(Histogram)
+        self.decisions: defaultdict[str, Histogram] = defaultdict(lambda: Histogram(DECISION_BUCKETS))
         self.failovers: defaultdict[str, int] = defaultdict(int)
         self.attempts: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.disconnects: defaultdict[str, int] = defaultdict(int)
@@ -115,9 +115,9 @@ class Metrics(Collector):
         self.predicted_tokens: defaultdict[str, int] = defaultdict(int)
         self.actual_tokens: defaultdict[str, int] = defaultdict(int)
         self.corrections: defaultdict[str, int] = defaultdict(int)
-        self.prediction_error = _Histogram(ERROR_BUCKETS)
-        self.ttft_error = _Histogram(RATIO_BUCKETS)
-        self.itl_error = _Histogram(RATIO_BUCKETS)
+        self.prediction_error = Histogram(ERROR_BUCKETS)
+        self.ttft_error = Histogram(RATIO_BUCKETS)
+        self.itl_error = Histogram(RATIO_BUCKETS)
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
