@@ -127,7 +127,7 @@ class UpstreamResponse:
         self._error = error
         # Nothing more will come: let go of the sink, which holds its relay, which holds
         # this response. Left, that cycle keeps every relayed request's state for the cyclic
-        # collector, whose full passes then stalled the proxy for 100-300 ms.
+        # collector, whose full passes then stalled the proxy for 60-300 ms.
         self._sink = None
         self._wake()
         ended = self._ended
