@@ -85,3 +85,28 @@ def read_cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process and of every live process below it, from /proc
+    (Linux): a router may serve from threads, workers or a child it launched. 0.0 for a
+    process already gone."""
+    total = 0.0
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            total += read_cpu_seconds(current)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        try:
+            tasks = os.listdir(f"/proc/{current}/task")
+        except FileNotFoundError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{current}/task/{task}/children") as f:
+                    pending.extend(int(child) for child in f.read().split())
+            except FileNotFoundError:
+                continue
+    return total

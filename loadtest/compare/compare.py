@@ -89,11 +89,13 @@ async def compare_live(
                 target = await fleet.start_external(command)
             if progress:
                 print(f"  {name}: {len(workload.requests)} requests live through {target}", file=sys.stderr)
+            cpu_before = fleet.routers_cpu_seconds()
             try:
                 records, meta = await run_load(
                     target, workload.requests, model=fleet.model, time_scale=time_scale,
                     timeout_s=timeout_s, progress=progress,
                 )
+                router_cpu_s = fleet.routers_cpu_seconds() - cpu_before
             finally:
                 fleet.stop_router()
             meta.update({
@@ -101,6 +103,7 @@ async def compare_live(
                 "workload_description": workload.description,
                 "fleet": f"{replicas} x {profile} (simulated replica processes, time scale {time_scale:g})",
                 "replicas": replicas, "seed": seed, "target": command or "kvlb",
+                "router_cpu_s": round(router_cpu_s, 3),
             })
             duration = meta.pop("duration_s")
             for record in records:

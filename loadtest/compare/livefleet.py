@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from loadtest.procs import free_port, start_process, stop_process, wait_for_http
+from loadtest.procs import free_port, start_process, stop_process, tree_cpu_seconds, wait_for_http
 from loadtest.simulator.cli import HARNESS_LIMITS
 
 MODEL = "sim-model"
@@ -172,6 +172,11 @@ class LiveFleet:
                     if line.startswith("vllm:request_success_total")
                 )
         return counts
+
+    def routers_cpu_seconds(self) -> float:
+        """CPU time (user + system) the running routers have used so far, their children
+        and threads included: read before and after a run, it is what routing the run cost."""
+        return sum(tree_cpu_seconds(router.pid) for router in self._routers)
 
     def stop_router(self) -> None:
         """Every router started, kvlb instances and external ones."""

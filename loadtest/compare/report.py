@@ -76,6 +76,21 @@ def against_ideal(summaries: Mapping[str, Mapping[str, Any]]) -> list[str]:
     return lines
 
 
+def router_cpu(summaries: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Live runs: what each router's own processes spent on CPU during its run. On a machine
+    whose cores also run the replicas and the load client, a router's CPU is time taken from
+    them, which its latencies alone do not show."""
+    rows = [(name, s["router_cpu_s"], s.get("requests") or 0) for name, s in summaries.items()
+            if s.get("router_cpu_s") is not None]
+    if not rows:
+        return []
+    lines = ["| router | CPU during the run (user + system) | per request |", "|---|---:|---:|"]
+    for name, seconds, requests in rows:
+        per = f"{seconds * 1000 / requests:.2f} ms" if requests else "–"
+        lines.append(f"| {name} | {seconds:.2f} s | {per} |")
+    return lines
+
+
 def _times(value: float | None) -> str:
     return "–" if value is None else f"{value:.1f}x"
 
@@ -196,6 +211,9 @@ def write_report(
     baseline = against_baseline(summaries)
     if baseline:
         lines += baseline + [""]
+    cpu = router_cpu(summaries)
+    if cpu:
+        lines += cpu + [""]
     limit = against_ideal(summaries)
     if limit:
         lines += limit + [""]

@@ -56,6 +56,10 @@ def test_live_comparison_with_kvlb_and_an_external_router(tmp_path):
     assert theirs["requests_per_replica_source"] == "replica metrics"
     assert theirs["requests_per_replica"] == {"replica-0": 4, "replica-1": 4}
     assert theirs["replica_max_min_ratio"] == 1.0
+    # What each router's own processes spent during its run sits beside its latencies.
+    assert ours["router_cpu_s"] >= 0.0 and theirs["router_cpu_s"] >= 0.0
+    assert "| router | CPU during the run (user + system) | per request |" in report
+    assert f"| other | {theirs['router_cpu_s']:.2f} s |" in report
 
 
 async def test_replicas_count_the_requests_they_finished():
