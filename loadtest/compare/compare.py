@@ -19,6 +19,7 @@ from typing import Any
 from loadtest.client.summary import Results, summarize, with_replica_counts, write_results
 from loadtest.client.workloads import Workload
 from loadtest.compare.livefleet import LiveFleet
+from loadtest.compare.repeats import median_summary, run_order
 from loadtest.compare.report import against_baseline, against_ideal, table, write_report
 from loadtest.compare.sweep import (
     Slo,
@@ -69,17 +70,22 @@ async def compare_live(
     time_scale: float, seed: int = 0, externals: dict[str, str] | None = None,
     policy_config: str | None = None, timeout_s: float = 300.0, progress: bool = True,
     replica_args: list[str] | None = None, replica_settings: dict[str, Any] | None = None,
+    repeat: int = 1,
 ) -> Results:
+    """`repeat`: runs per router, in alternating order; each figure is then their median
+    (loadtest/compare/repeats.py)."""
     from loadtest.client.runner import run_load
 
     results: Results = {}
     # The limit on the replicas' own profile, as offline (their extra flags aside).
     ideal = ideal_for(workload, uniform_fleet(replicas, profile))
-    runs: list[tuple[str, str | None]] = [(name, None) for name in policies]
-    runs += list((externals or {}).items())
+    commands: dict[str, str | None] = {name: None for name in policies}
+    commands.update(externals or {})
+    runs: dict[str, list[tuple[dict[str, Any], list[Any]]]] = {name: [] for name in commands}
     async with LiveFleet(replicas, profile, time_scale, replica_args=replica_args or (),
                          replica_settings=replica_settings) as fleet:
-        for name, command in runs:
+        for run, name in run_order(list(commands), repeat):
+            command = commands[name]
             await fleet.start_replicas()
             if command is None:
                 policy, routing = policy_settings(name, policy_config, seed)
@@ -88,7 +94,8 @@ async def compare_live(
             else:
                 target = await fleet.start_external(command)
             if progress:
-                print(f"  {name}: {len(workload.requests)} requests live through {target}", file=sys.stderr)
+                which = f" (run {run + 1} of {repeat})" if repeat > 1 else ""
+                print(f"  {name}{which}: {len(workload.requests)} requests live through {target}", file=sys.stderr)
             cpu_before = fleet.routers_cpu_seconds()
             try:
                 records, meta = await run_load(
@@ -112,8 +119,16 @@ async def compare_live(
             if all(record.replica is None for record in records):
                 # A router that does not name the serving replica: ask the replicas instead.
                 with_replica_counts(summary, await fleet.replica_request_counts(), "replica metrics")
-            write_results(out_dir / name, records, summary)
-            results[name] = (summary, records)
+            write_results(out_dir / name / f"run-{run + 1}" if repeat > 1 else out_dir / name, records, summary)
+            runs[name].append((summary, records))
+    for name, done in runs.items():
+        if repeat == 1:
+            results[name] = done[0]
+            continue
+        # The first run's requests draw the plots; the table takes every figure's median.
+        merged = median_summary([summary for summary, _ in done])
+        write_results(out_dir / name, done[0][1], merged)
+        results[name] = (merged, done[0][1])
     return results
 
 
@@ -154,6 +169,9 @@ def register(subparsers: Any) -> None:
                         help="another router for live runs; COMMAND may use {port}, {workers}, {workers_csv}")
     parser.add_argument("--time-scale", type=float, default=10.0, help="live replicas' speed-up (default 10)")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="live: per-request deadline, real seconds")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="live: runs per router, in alternating order; the report gives each figure's "
+                             "median and every run's figures beside it (default 1)")
     parser.add_argument("--precise", action="store_true", help=PRECISE_HELP + "; offline only (refused with --live)")
     parser.add_argument("--seed", type=int, default=0, help="policies' random seed")
     parser.add_argument("--out", required=True, help="directory for report.md, plots and per-run results")
@@ -178,6 +196,10 @@ def main(args: argparse.Namespace) -> int:
             raise SetupError("--external needs --live")
         if args.live and args.precise:
             raise SetupError("--precise is offline only: a live run's kvlb predicts the cache")
+        if args.repeat < 1:
+            raise SetupError("--repeat must be at least 1")
+        if args.repeat > 1 and not args.live:
+            raise SetupError("--repeat is for live runs: an offline run is the same every time (vary --seed)")
         if args.live and args.fleet:
             raise SetupError("--live starts identical replicas: use --replicas and --profile, not --fleet")
         sweep = parse_sweep(args.sweep) if args.sweep else None
@@ -251,7 +273,7 @@ def _run(args: argparse.Namespace, workload: Workload, policies: list[str], out_
             workload, policies, out_dir, replicas=args.replicas, profile=args.profile,
             time_scale=args.time_scale, seed=args.seed, externals=dict(args.external),
             policy_config=args.policy_config, timeout_s=args.timeout_s, progress=progress,
-            replica_args=replica_args, replica_settings=replica_settings,
+            replica_args=replica_args, replica_settings=replica_settings, repeat=args.repeat,
         ))
     assert fleet is not None
     return compare_offline(

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.client.summary import RequestRecord
+from loadtest.compare.repeats import spread_lines
 
 BASELINE = "random"
 
@@ -205,6 +206,9 @@ def write_report(
         "",
         table(summaries),
     ]
+    spread = spread_lines(summaries)
+    if spread:
+        lines += spread + [""]
     models = by_model(summaries)
     if models:
         lines += models + [""]
