@@ -123,6 +123,10 @@ class StreamRelay:
         if error is not None:
             self._fail(error)
         elif self._done is not None and not self._done.done():
+            # The client has its whole answer the moment the replica is done: ended here, in
+            # the connection's callback, its end waits neither for the relay's coroutine to
+            # come round the loop's queue nor for the answer's bookkeeping after it.
+            self._stream.finish()
             self._done.set_result(None)
 
     def _fail(self, error: BaseException) -> None:

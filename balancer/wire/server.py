@@ -153,6 +153,10 @@ class ResponseStream:
             await self._conn.drain()
 
     async def end(self) -> None:
+        self.finish()
+
+    def finish(self) -> None:
+        """End the answer now, without waiting: for writers called back by the connection."""
         if self._ended:
             return
         self._ended = True

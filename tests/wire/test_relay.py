@@ -7,6 +7,7 @@ import asyncio
 import gc
 import hashlib
 import socket
+import time
 from contextlib import AsyncExitStack
 
 import aiohttp
@@ -151,3 +152,44 @@ async def test_a_relayed_stream_leaves_nothing_for_the_cyclic_collector() -> Non
             gc.garbage.clear()
     assert seen.requests == 20
     assert cyclic == []
+
+
+async def test_a_streamed_answer_ends_for_the_client_when_the_replica_ends_it(monkeypatch) -> None:
+    """The client's end-to-end time ends with the replica's last byte, not after whatever the
+    proxy does once the relay is over (learning from the answer, indexing its text): the
+    chunked stream's end goes out from the connection's own callback. Here that later work
+    is made to hold the event loop for 0.5 s, and a client on a thread of its own must have
+    its answer's end before it is over."""
+    from balancer.wire import relay as relay_module
+
+    held: list[float] = []
+    original = relay_module.StreamRelay.run
+
+    async def run_then_hold(self: relay_module.StreamRelay) -> None:
+        await original(self)
+        held.append(time.monotonic())
+        time.sleep(0.5)  # blocks the loop, as slow bookkeeping would
+
+    monkeypatch.setattr(relay_module.StreamRelay, "run", run_then_hold)
+    seen = Seen()
+    async with AsyncExitStack() as stack:
+        url = await stack.enter_async_context(serve_app(slow_sse_app(seen, chunks=3, gap_s=0)))
+        running = await stack.enter_async_context(run_balancer(make_settings([url])))
+        port = int(running.url.rsplit(":", 1)[1])
+
+        def client() -> tuple[bytes, float]:
+            body = orjson.dumps({"model": "m", "prompt": "p", "stream": True})
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+                data = b""
+                while not data.endswith(b"0\r\n\r\n"):
+                    more = sock.recv(65536)
+                    assert more, f"connection closed after {data!r}"
+                    data += more
+                return data, time.monotonic()
+
+        data, ended = await asyncio.to_thread(client)
+    assert b"data: [DONE]" in data and seen.requests == 1
+    assert held, "the relay never finished"
+    assert ended < held[0] + 0.25, "the answer's end waited for the work after the relay"
