@@ -18,6 +18,7 @@ import sys
 import time
 
 import aiohttp
+import orjson
 
 from loadtest.procs import free_port, read_cpu_seconds, start_process, stop_process, wait_for_http
 
@@ -101,6 +102,16 @@ async def measure(url: str, concurrency: int, total: int, body: bytes = BODY,
         return time.perf_counter() - started, latencies
 
 
+def body_with_prompt(words: int) -> bytes:
+    """BODY with a system prompt of `words` words, drawn from a fixed vocabulary."""
+    if words <= 0:
+        return BODY
+    vocabulary = "able acid aged also area army away baby back ball band bank base bath bear beat".split()
+    system = " ".join(vocabulary[(i * 7 + i // 16) % len(vocabulary)] for i in range(words))
+    return orjson.dumps({"model": "bench", "max_tokens": 8, "temperature": 0, "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": "Say hello."}]})
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -118,16 +129,18 @@ async def bench(args: argparse.Namespace) -> None:
         await wait_for_http(f"http://127.0.0.1:{kvlb_port}/ready")
         direct = f"http://127.0.0.1:{upstream_port}/v1/chat/completions"
         via = f"http://127.0.0.1:{kvlb_port}/v1/chat/completions"
-        print(f"kvlb proxy overhead, {args.requests} small non-streaming chat requests per run, "
+        body = body_with_prompt(args.prompt_words)
+        shape = f"with a {args.prompt_words}-word system prompt" if args.prompt_words > 0 else "small"
+        print(f"kvlb proxy overhead, {args.requests} {shape} non-streaming chat requests per run, "
               f"policy {args.policy}, {os.cpu_count()} CPUs")
         print(f"{'conc':>5} {'direct rps':>11} {'kvlb rps':>9} {'direct p50':>11} {'kvlb p50':>9} "
               f"{'added p50':>10} {'direct p99':>11} {'kvlb p99':>9} {'kvlb CPU/req':>13} {'upstream CPU/req':>17}")
         for concurrency in args.concurrency:
             up_before = read_cpu_seconds(upstream.pid)
-            d_wall, d_lat = await measure(direct, concurrency, args.requests)
+            d_wall, d_lat = await measure(direct, concurrency, args.requests, body)
             up_per_req = (read_cpu_seconds(upstream.pid) - up_before) / (args.requests + concurrency * 2)
             cpu_before = read_cpu_seconds(kvlb.pid)
-            v_wall, v_lat = await measure(via, concurrency, args.requests)
+            v_wall, v_lat = await measure(via, concurrency, args.requests, body)
             cpu_per_req = (read_cpu_seconds(kvlb.pid) - cpu_before) / (args.requests + concurrency * 2)
             print(f"{concurrency:>5} {args.requests / d_wall:>11.0f} {args.requests / v_wall:>9.0f} "
                   f"{pct(d_lat, .5) * 1e3:>9.3f}ms {pct(v_lat, .5) * 1e3:>7.3f}ms "
@@ -147,6 +160,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--policy", default="least_load")
+    parser.add_argument("--prompt-words", type=int, default=0,
+                        help="a system prompt of this many words before the question (the same every "
+                             "request): what routing a long prompt adds, since a cache-aware policy "
+                             "hashes and indexes it")
     parser.add_argument("--upstream-only", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     import uvloop
