@@ -21,6 +21,7 @@ import aiohttp
 import orjson
 
 from loadtest.procs import free_port, read_cpu_seconds, start_process, stop_process, wait_for_http
+from loadtest.replica.tokens import output_text
 
 BODY = (b'{"model": "bench", "messages": [{"role": "user", "content": "Say hello."}], '
         b'"max_tokens": 8, "temperature": 0}')
@@ -103,13 +104,11 @@ async def measure(url: str, concurrency: int, total: int, body: bytes = BODY,
 
 
 def body_with_prompt(words: int) -> bytes:
-    """BODY with a system prompt of `words` words, drawn from a fixed vocabulary."""
+    """BODY with a system prompt of `words` words: the simulated replica's own filler text."""
     if words <= 0:
         return BODY
-    vocabulary = "able acid aged also area army away baby back ball band bank base bath bear beat".split()
-    system = " ".join(vocabulary[(i * 7 + i // 16) % len(vocabulary)] for i in range(words))
     return orjson.dumps({"model": "bench", "max_tokens": 8, "temperature": 0, "messages": [
-        {"role": "system", "content": system}, {"role": "user", "content": "Say hello."}]})
+        {"role": "system", "content": output_text(words)}, {"role": "user", "content": "Say hello."}]})
 
 
 def pct(values: list[float], q: float) -> float:
