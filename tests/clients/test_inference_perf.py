@@ -80,8 +80,8 @@ async def test_a_shared_prefix_run_reads_the_caches_as_kvlbs_harness_does(tokeni
 
 
 async def test_a_multi_turn_run_is_served_whole(tokenizer: Path, tmp_path: Path) -> None:
-    """Each group's prompts as consecutive turns of one conversation: each turn resends the
-    conversation so far, which the replicas serve much of from cache."""
+    """16 conversations of two turns, four of them opening on each shared prompt: the second
+    turn resends the first with its answer, which the replicas serve much of from cache."""
     async with fleet() as (url, replicas):
         before = await prompt_counters(replicas)
         summary = await inference_perf(
@@ -89,7 +89,13 @@ async def test_a_multi_turn_run_is_served_whole(tokenizer: Path, tmp_path: Path)
             data={"type": "shared_prefix", "shared_prefix": {
                 "num_groups": 4, "num_prompts_per_group": 4, "system_prompt_len": 256, "question_len": 32,
                 "output_len": 16, "enable_multi_turn_chat": True}},
-            rate=4, duration_s=4)
+            rate=4, duration_s=8)
         after = await prompt_counters(replicas)
-    assert_clean(summary, 16)
-    assert cache_reads(before, after) > 0.5
+    prompt_tokens = assert_clean(summary, 32)["prompt_tokens"]
+    assert prompt_tokens["max"] > 2 * prompt_tokens["min"]  # second turns carry the first
+    reads = cache_reads(before, after)
+    print(f"cache reads of a two-turn run: {reads:.3f}")
+    # Routing blind to the cache reads about 0.30 here; all of it on one replica about 0.53. A
+    # conversation or a shared prompt that kvlb copies to an idle replica costs 0.02 each, and
+    # kvlb may do that a few times when it predicts the copy to be faster.
+    assert reads > 0.42
