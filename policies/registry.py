@@ -17,6 +17,7 @@ _POLICY_CLASSES = (
     "policies.consistent_hash:ConsistentHashPolicy",
     "policies.cache_aware:CacheAwarePolicy",
     "policies.predictive:PredictivePolicy",
+    "policies.sglang_cache_aware:SGLangCacheAwarePolicy",
 )
 
 
