@@ -160,7 +160,7 @@ def _external(text: str) -> tuple[str, str]:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("compare", help=HELP, description=HELP)
     parser.add_argument("--workload", required=True, help="workload spec (see loadtest/client/workloads.py)")
-    parser.add_argument("--policies", default="random,round_robin,least_load,cache_aware,predictive",
+    parser.add_argument("--policies", default="random,round_robin,least_load,cache_aware,sglang_cache_aware,predictive",
                         help="comma-separated policy names (default: %(default)s)")
     parser.add_argument("--policy-config", help="kvlb config whose policy params apply to that policy; "
                         "offline, its per_model entries apply too")
