@@ -29,6 +29,9 @@ from typing import Any
 from policies.base import Choice, Policy, ReplicaView, RequestFeatures
 from policies.costs import fraction_param, number_param
 
+# The `rule` term: which case of the rule chose the first replica.
+IMBALANCED, LONGEST_PREFIX, SMALLEST_RECORD = 1.0, 2.0, 3.0
+
 
 class SGLangCacheAwarePolicy(Policy):
     """The idlest replica when loads are far apart; else the longest cached prefix when it is
@@ -68,13 +71,13 @@ class SGLangCacheAwarePolicy(Policy):
         share = longest / request.prompt_tokens if request.prompt_tokens > 0 else 0.0
         recorded = self._recorded
         if imbalanced:
-            rule = "imbalanced"
+            rule = IMBALANCED
             key = [(load, rand()) for load in loads]
         elif share > self.cache_threshold:
-            rule = "longest_prefix"
+            rule = LONGEST_PREFIX
             key = [(cached.get(r.name, 0) != longest, rand()) for r in replicas]
         else:
-            rule = "smallest_record"
+            rule = SMALLEST_RECORD
             key = [(recorded.get(r.name, 0), rand()) for r in replicas]
         first = min(range(len(replicas)), key=key.__getitem__)
         rest = sorted((i for i in range(len(replicas)) if i != first), key=lambda i: (loads[i], rand()))
@@ -90,9 +93,7 @@ class SGLangCacheAwarePolicy(Policy):
                 "cached": float(cached.get(replicas[i].name, 0)),
                 "match_share": share,
                 "recorded_tokens": float(recorded.get(replicas[i].name, 0)),
-                # Which of the three rules chose the first replica: 1 imbalanced,
-                # 2 longest prefix, 3 smallest record.
-                "rule": float(("imbalanced", "longest_prefix", "smallest_record").index(rule) + 1),
+                "rule": rule,
             })
             for i in (first, *rest)
         ]
