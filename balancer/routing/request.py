@@ -42,9 +42,13 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
             raise ClientError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
         data = _loads_wide_numbers(text)
     if not isinstance(data, dict):
-        kind = type(data).__name__
+        kind = _JSON_KINDS.get(type(data), "a number")
         raise ClientError(400, f"request body must be a JSON object, got {kind}", "invalid_json")
     return data
+
+
+# The client wrote JSON, so its error names JSON's kinds, not Python's (null, not NoneType).
+_JSON_KINDS = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
 
 
 def _loads_wide_numbers(text: str) -> Any:

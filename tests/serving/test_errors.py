@@ -61,6 +61,16 @@ async def test_bad_request_answers(balancer_url, name, path, body, headers, stat
             assert_openai_error(await resp.read(), code)
 
 
+@pytest.mark.parametrize("body,kind", [(b"null", "null"), (b"[1]", "an array"), (b'"hi"', "a string"),
+                                       (b"true", "a boolean"), (b"7", "a number")])
+async def test_a_body_that_is_not_an_object_is_named_in_json_terms(balancer_url, body, kind) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.post(balancer_url + "/v1/completions", data=body) as resp:
+            assert resp.status == 400
+            error = assert_openai_error(await resp.read(), "invalid_json")
+            assert error["message"] == f"request body must be a JSON object, got {kind}"
+
+
 async def test_chunked_body_over_limit_is_413(balancer_url) -> None:
     async def chunks():
         for _ in range(10):
