@@ -188,8 +188,8 @@ def test_the_faster_cards_of_the_example_mixed_fleet_take_the_larger_share():
         assert all(r.status == 200 for r in result.records)
         return sum(r.replica in fast for r in result.records) / len(result.records)
 
-    # With every weight at 1, the speeds fitted from answers give the H200s more (0.557 at
-    # seed 0); blind to speed, an even split (0.503).
+    # With every weight at 1, the H200s, whose batches drain sooner, get more (0.557 at seed
+    # 0); blind to load and cache, an even split (0.503).
     assert fast_share("predictive") > 0.54
     assert 0.47 < fast_share("random") < 0.53
 
