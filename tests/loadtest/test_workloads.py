@@ -367,3 +367,25 @@ def test_specs_joined_by_semicolons_make_one_workload_of_several_models():
     for bad in (f"{small};", f"{small};;{big}", "multi-turn,model="):
         with pytest.raises(WorkloadError):
             load_workload(bad)
+
+
+SHIPPED_DATA = Path(__file__).resolve().parents[2] / "loadtest" / "data"
+
+
+@pytest.mark.parametrize(("spec", "count", "span_s", "mean_prompt"), [
+    ("mooncake:mooncake_synthetic_trace.jsonl", 3993, 1022.0, 15325),
+    ("mooncake:mooncake_conversation_trace_head3000.jsonl", 3000, 987.0, 13517),
+    ("azure:azure_llm_2023_code_head5000.csv", 5000, 1630.9, 2053),
+    ("azure:azure_llm_2023_conv_head5000.csv", 5000, 1023.3, 1161),
+])
+def test_the_shipped_traces_load_whole_as_their_readme_describes_them(
+    spec: str, count: int, span_s: float, mean_prompt: int
+) -> None:
+    """The docs' held-out results replay these files: a damaged or cut file would change
+    every figure, so each must read without a skipped line, at the size its README gives."""
+    kind, name = spec.split(":")
+    w = load_workload(f"{kind}:{SHIPPED_DATA / name}")
+    assert w.warnings == ()
+    assert len(w.requests) == count
+    assert w.requests[-1].arrival_s - w.requests[0].arrival_s == pytest.approx(span_s, abs=0.1)
+    assert sum(r.prompt_tokens for r in w.requests) / count == pytest.approx(mean_prompt, abs=1)
