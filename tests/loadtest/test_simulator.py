@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import orjson
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from balancer.config import Limits, PolicySettings
 from loadtest.client.summary import summarize
 from loadtest.client.workloads import load_workload
-from loadtest.simulator.fleetspec import FleetError, parse_fleet, uniform_fleet
+from loadtest.simulator.fleetspec import FleetError, load_fleet, parse_fleet, uniform_fleet
 from loadtest.simulator.simulator import Simulator, simulate
 
 SHARED = "shared-prefix,groups=6,prompts_per_group=12,system_tokens=1500,question_tokens=60,output_tokens=40,rate=6"
@@ -162,10 +163,6 @@ def test_compare_writes_a_report_with_table_and_plots(tmp_path):
 
 
 def test_the_example_fleet_file_describes_two_regions_and_tiers():
-    from pathlib import Path
-
-    from loadtest.simulator.fleetspec import load_fleet
-
     fleet = load_fleet(Path(__file__).resolve().parents[2] / "config" / "fleet-multi-region.yaml")
     assert len(fleet.replicas) == 130
     far = [r for r in fleet.replicas if r.labels["region"] == "eu-west"]
@@ -174,10 +171,6 @@ def test_the_example_fleet_file_describes_two_regions_and_tiers():
 
 
 def test_the_faster_cards_of_the_example_mixed_fleet_take_the_larger_share():
-    from pathlib import Path
-
-    from loadtest.simulator.fleetspec import load_fleet
-
     fleet = load_fleet(Path(__file__).resolve().parents[2] / "config" / "fleet-mixed-cards.yaml")
     fast = {r.name for r in fleet.replicas if r.profile.name == "llama-3.1-8b-h200"}
     assert len(fleet.replicas) == 8 and len(fast) == 4
