@@ -38,6 +38,15 @@ mooncake:PATH   Mooncake JSONL trace, one object per line: `timestamp` (ms), `in
     on_error=skip       skip: a malformed line is reported in `warnings` and skipped;
                         fail: it raises WorkloadError naming file:line
 
+bailian:PATH    Qwen-Bailian JSONL trace (alibaba-edu/qwen-bailian-usagetraces-anon): Mooncake's
+                fields with `timestamp` in seconds and 16-token blocks, plus `chat_id` and
+                `parent_chat_id` (-1 for a conversation's first request). Read as mooncake;
+                each request's session is its conversation, `chat-ROOT` by the chat_id of its
+                first request. `mooncake:` refuses such a file, whose times it would read as
+                milliseconds.
+    block_size=16       tokens per hash id
+    on_error=skip       as for mooncake
+
 azure:PATH      Azure LLM inference trace CSV with columns `TIMESTAMP` (a datetime such as
                 `2023-11-16 18:15:46.6805900`, or seconds), `ContextTokens`, `GeneratedTokens`.
                 Completions; every prompt is unique from its first word on. Arrival times are
@@ -267,7 +276,22 @@ def _whole(value: Any, key: str, low: int) -> int:
 
 
 def _read_mooncake(path: str, opts: dict, rng: random.Random) -> tuple[str, list, list]:
+    return _read_block_trace(path, opts, bailian=False)
+
+
+def _read_bailian(path: str, opts: dict, rng: random.Random) -> tuple[str, list, list]:
+    return _read_block_trace(path, opts, bailian=True)
+
+
+# Fields of the Qwen-Bailian schema that Mooncake's has not: a file holding them has its
+# timestamps in seconds, which read as milliseconds would replay hours in seconds.
+_BAILIAN_FIELDS = ("chat_id", "parent_chat_id")
+
+
+def _read_block_trace(path: str, opts: dict, *, bailian: bool) -> tuple[str, list, list]:
     block = opts["block_size"]
+    # Bailian: chat_id -> the chat_id of its conversation's first request.
+    roots: dict[int, int] = {}
 
     def parse(lineno: int, raw: bytes) -> WorkRequest:
         try:
@@ -276,29 +300,42 @@ def _read_mooncake(path: str, opts: dict, rng: random.Random) -> tuple[str, list
             raise _BadRow(f"invalid JSON ({e})") from None
         if not isinstance(record, dict):
             raise _BadRow("expected a JSON object")
+        if not bailian and all(key in record for key in _BAILIAN_FIELDS):
+            raise WorkloadError(
+                f"{path}:{lineno}: a Qwen-Bailian record (chat_id, parent_chat_id: timestamps "
+                f"in seconds, 16-token blocks); read the file as bailian:{path}")
         for key in ("timestamp", "input_length", "output_length", "hash_ids"):
             if key not in record:
                 raise _BadRow(f"missing {key!r}")
         stamp, ids = record["timestamp"], record["hash_ids"]
+        unit = "seconds" if bailian else "milliseconds"
         # type() rather than isinstance(): a bool is an int in Python but never a time or an id.
         if type(stamp) not in (int, float) or not 0 <= stamp < math.inf:
-            raise _BadRow("'timestamp' must be a non-negative number of milliseconds")
+            raise _BadRow(f"'timestamp' must be a non-negative number of {unit}")
         prompt = _whole(record["input_length"], "input_length", 1)
         output = max(1, _whole(record["output_length"], "output_length", 0))
         if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
             raise _BadRow("'hash_ids' must be a list of non-negative integers")
+        session = None
+        if bailian:
+            chat, parent = record.get("chat_id"), record.get("parent_chat_id")
+            if type(chat) is not int or type(parent) is not int:
+                raise _BadRow("'chat_id' and 'parent_chat_id' must be integers")
+            # A parent the file does not hold (cut by a limit upstream) starts a conversation.
+            roots[chat] = root = roots.get(parent, chat) if parent >= 0 else chat
+            session = f"chat-{root}"
         # Private ids take a prefix no real id has and the line number no other request has.
         segments = tuple(
             (f"h{ids[b]}" if b < len(ids) else f"p{lineno}.{b}", min(block, prompt - b * block))
             for b in range(-(-prompt // block))
         )
-        return WorkRequest(0, stamp / 1000, prompt, output, None, ROUTE_COMPLETIONS,
-                           (("", segments),))
+        return WorkRequest(0, stamp if bailian else stamp / 1000, prompt, output, session,
+                           ROUTE_COMPLETIONS, (("", segments),))
 
     with _open(path, "rb") as file:
         rows = ((n, raw) for n, raw in enumerate(file, 1) if raw.strip())
         drafts, warnings = _collect(path, rows, parse, opts["on_error"])
-    return f"mooncake trace {path}", drafts, warnings
+    return f"{'bailian' if bailian else 'mooncake'} trace {path}", drafts, warnings
 
 
 def _azure_seconds(text: str) -> float:
@@ -578,6 +615,7 @@ _ON_ERROR: _Option = (_choice("skip", "fail"), "skip")
 _Builder = Callable[[Any, dict, random.Random], tuple[str, list, list]]
 _KINDS: dict[str, tuple[_Builder, bool, dict[str, _Option]]] = {
     "mooncake": (_read_mooncake, True, {"block_size": (_COUNT, 512), "on_error": _ON_ERROR}),
+    "bailian": (_read_bailian, True, {"block_size": (_COUNT, 16), "on_error": _ON_ERROR}),
     "azure": (_read_azure, True, {"on_error": _ON_ERROR}),
     "payloads": (_read_payloads, True, {"repeat": (_COUNT, 1), "on_error": _ON_ERROR}),
     "shared-prefix": (_shared_prefix, False, {

@@ -94,6 +94,55 @@ def test_mooncake_private_blocks_never_collide(tmp_path: Path) -> None:
     assert not {a[16], a[32], a[48]} & {b[16], b[32], b[48]}
 
 
+def bailian(chat: int, parent: int, ts: float, n_in: int, n_out: int, ids: list[int]) -> dict:
+    return {"chat_id": chat, "parent_chat_id": parent, "timestamp": ts, "input_length": n_in,
+            "output_length": n_out, "type": "text", "turn": 1, "hash_ids": ids}
+
+
+@pytest.fixture
+def bailian_trace(tmp_path: Path) -> Path:
+    # Two conversations as Qwen-Bailian logs them: times in seconds, 16-token blocks, and each
+    # later turn naming the request before it, its prompt carrying the earlier turn's blocks.
+    return write_jsonl(tmp_path / "qwen.jsonl", [
+        bailian(10, -1, 0.0, 40, 12, [1, 2, 3]),
+        bailian(11, -1, 1.5, 20, 5, [7, 8]),
+        bailian(12, 10, 61.114, 70, 9, [1, 2, 3, 4, 5]),
+        bailian(13, 12, 125.0, 90, 9, [1, 2, 3, 4, 5, 6]),
+        bailian(14, 99, 130.0, 16, 1, [9]),  # its parent fell before the file's first line
+    ])
+
+
+def test_bailian_times_are_seconds_and_turns_share_their_conversation(bailian_trace: Path) -> None:
+    w = load_workload(f"bailian:{bailian_trace}")
+    reqs = w.requests
+    assert w.warnings == ()
+    assert [r.arrival_s for r in reqs] == [0.0, 1.5, 61.114, 125.0, 130.0]
+    assert [r.session for r in reqs] == ["chat-10", "chat-11", "chat-10", "chat-10", "chat-14"]
+    first, _, second, third, _ = (words(r) for r in reqs)
+    # 16-token blocks by default: the second turn holds the first's two whole blocks and
+    # the third block's id, cut to 8 words in the first, whole in the second.
+    assert common_prefix(first, second) == 40 and second[48] == "h4"
+    assert common_prefix(second, third) == 70
+
+
+def test_a_bailian_trace_read_as_mooncake_is_refused_not_replayed_a_thousand_times_fast(
+        bailian_trace: Path) -> None:
+    with pytest.raises(WorkloadError, match="bailian:"):
+        load_workload(f"mooncake:{bailian_trace},block_size=16")
+
+
+def test_a_bailian_record_without_its_chat_ids_is_skipped_with_its_line(tmp_path: Path) -> None:
+    trace = write_jsonl(tmp_path / "qwen.jsonl", [
+        bailian(1, -1, 0.0, 16, 1, [1]),
+        {**bailian(2, -1, 1.0, 16, 1, [2]), "chat_id": "two"},
+        mooncake(2000, 16, 1, [3]),
+    ])
+    w = load_workload(f"bailian:{trace}")
+    assert len(w.requests) == 1
+    assert [warning.split(": ", 1)[0] for warning in w.warnings] == [f"{trace}:2", f"{trace}:3"]
+    assert all("chat_id" in warning for warning in w.warnings)
+
+
 def test_speedup_and_limit(small_trace: Path) -> None:
     w = load_workload(f"mooncake:{small_trace},block_size=16,speedup=4,limit=3")
     assert [r.arrival_s for r in w.requests] == [0.0, 0.125, 0.25]
