@@ -15,7 +15,8 @@ Spec: `KIND[:PATH][,key=value]...`, for example
 
 Keys of every kind:
     speedup=1       divide all arrival times (and so every gap) by this factor
-    limit=N         keep only the first N requests by arrival time (default: all)
+    limit=N         keep only the first N requests by arrival time (default: all); a trace is
+                    read and checked whole but holds no more than those N in memory
     rate=R          trace kinds: replace the trace's arrival times by Poisson arrivals at R
                     requests/s, keeping the trace's order (default: keep the trace's times)
     seed=0          seed of Poisson arrivals, shuffles, tenant draws and generated text
@@ -118,6 +119,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import functools
+import heapq
 import json
 import math
 import random
@@ -125,7 +127,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 from loadtest.replica.tokens import output_text
 
@@ -246,18 +248,31 @@ def _poisson(rng: random.Random, count: int, rate: float) -> list[float]:
 
 
 def _collect(
-    path: str, rows: Iterable[tuple[int, Any]], parse: Callable[[int, Any], WorkRequest],
-    on_error: str,
-) -> tuple[list[WorkRequest], list[str]]:
-    drafts: list[WorkRequest] = []
+    path: str, rows: Iterable[tuple[int, Any]], parse: Callable[[int, Any], Any],
+    on_error: str, limit: int | None = None,
+) -> tuple[list[Any], list[str]]:
+    """Each row parsed (anything with an `arrival_s`), bad rows skipped or fatal by `on_error`.
+    With `limit`, only the `limit` earliest by arrival are kept (the file's order at equal
+    times), so a day-long trace read for its first minutes holds no more than those."""
+    drafts: list[Any] = []
     warnings: list[str] = []
+    kept: list[tuple[float, int, Any]] = []  # a heap of the latest first: (-arrival, -lineno, draft)
     for lineno, row in rows:
         try:
-            drafts.append(parse(lineno, row))
+            draft = parse(lineno, row)
         except _BadRow as e:
             if on_error == "fail":
                 raise WorkloadError(f"{path}:{lineno}: {e}") from None
             warnings.append(f"{path}:{lineno}: skipped: {e}")
+            continue
+        if limit is None:
+            drafts.append(draft)
+        elif len(kept) < limit:
+            heapq.heappush(kept, (-draft.arrival_s, -lineno, draft))
+        elif (-draft.arrival_s, -lineno) > kept[0][:2]:
+            heapq.heapreplace(kept, (-draft.arrival_s, -lineno, draft))
+    if limit is not None:
+        drafts = [draft for *_, draft in sorted(kept, reverse=True)]
     return drafts, warnings
 
 
@@ -324,18 +339,33 @@ def _read_block_trace(path: str, opts: dict, *, bailian: bool) -> tuple[str, lis
             # A parent the file does not hold (cut by a limit upstream) starts a conversation.
             roots[chat] = root = roots.get(parent, chat) if parent >= 0 else chat
             session = f"chat-{root}"
+        return _BlockRow(stamp if bailian else stamp / 1000, lineno, prompt, output, session, ids)
+
+    def build(row: _BlockRow) -> WorkRequest:
+        prompt, ids = row.prompt_tokens, row.hash_ids
         # Private ids take a prefix no real id has and the line number no other request has.
         segments = tuple(
-            (f"h{ids[b]}" if b < len(ids) else f"p{lineno}.{b}", min(block, prompt - b * block))
+            (f"h{ids[b]}" if b < len(ids) else f"p{row.lineno}.{b}", min(block, prompt - b * block))
             for b in range(-(-prompt // block))
         )
-        return WorkRequest(0, stamp if bailian else stamp / 1000, prompt, output, session,
+        return WorkRequest(0, row.arrival_s, prompt, row.output_tokens, row.session,
                            ROUTE_COMPLETIONS, (("", segments),))
 
     with _open(path, "rb") as file:
         rows = ((n, raw) for n, raw in enumerate(file, 1) if raw.strip())
-        drafts, warnings = _collect(path, rows, parse, opts["on_error"])
-    return f"{'bailian' if bailian else 'mooncake'} trace {path}", drafts, warnings
+        kept, warnings = _collect(path, rows, parse, opts["on_error"], opts["limit"])
+    return f"{'bailian' if bailian else 'mooncake'} trace {path}", [build(r) for r in kept], warnings
+
+
+class _BlockRow(NamedTuple):
+    """A block trace's row, checked; its text recipe is built only if the row is kept."""
+
+    arrival_s: float
+    lineno: int
+    prompt_tokens: int
+    output_tokens: int
+    session: str | None
+    hash_ids: list[int]
 
 
 def _azure_seconds(text: str) -> float:
@@ -379,7 +409,7 @@ def _read_azure(path: str, opts: dict, rng: random.Random) -> tuple[str, list, l
             if missing:
                 raise WorkloadError(f"{path}:1: missing columns {', '.join(sorted(missing))}")
             rows = ((reader.line_num, row) for row in reader)
-            drafts, warnings = _collect(path, rows, parse, opts["on_error"])
+            drafts, warnings = _collect(path, rows, parse, opts["on_error"], opts["limit"])
         except (csv.Error, UnicodeDecodeError) as e:
             raise WorkloadError(f"{path}:{reader.line_num}: unreadable CSV ({e})") from None
     start = min((d.arrival_s for d in drafts), default=0.0)

@@ -242,6 +242,30 @@ def test_azure_lengths_arrivals_and_no_sharing(tmp_path: Path) -> None:
         load_workload(f"azure:{trace},on_error=fail")
 
 
+def test_a_limit_keeps_the_earliest_requests_of_an_unsorted_trace_in_file_order_at_ties(
+        tmp_path: Path) -> None:
+    trace = write_jsonl(tmp_path / "t.jsonl", [
+        mooncake(900, 16, 1, [1]),
+        mooncake(100, 16, 1, [2]),
+        mooncake(500, 16, 1, [3]),
+        mooncake(500, 16, 1, [4]),
+        "not json",
+        mooncake(500, 16, 1, [5]),
+        mooncake(0, 16, 1, [6]),
+    ])
+    w = load_workload(f"mooncake:{trace},block_size=16,limit=4")
+    assert [words(r)[0] for r in w.requests] == ["h6", "h2", "h3", "h4"]
+    assert [r.arrival_s for r in w.requests] == [0.0, 0.1, 0.5, 0.5]
+    # Every line is still read and checked, kept or not.
+    assert [x.split(": skipped")[0] for x in w.warnings] == [f"{trace}:5"]
+
+    azure = write_azure(tmp_path / "azure.csv", [
+        ("30.0", 10, 1), ("10.0", 20, 1), ("20.0", 30, 1), ("5.0", 40, 1),
+    ])
+    w = load_workload(f"azure:{azure},limit=2")
+    assert [(r.arrival_s, r.prompt_tokens) for r in w.requests] == [(0.0, 40), (5.0, 20)]
+
+
 def test_azure_numeric_timestamps_and_missing_columns(tmp_path: Path) -> None:
     trace = write_azure(tmp_path / "a.csv", [("10.5", 3, 1), ("12", 4, 1)])
     assert [r.arrival_s for r in load_workload(f"azure:{trace},speedup=2").requests] == [0, 0.75]
