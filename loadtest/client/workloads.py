@@ -33,8 +33,8 @@ mooncake:PATH   Mooncake JSONL trace, one object per line: `timestamp` (ms), `in
                 at position i mean an equal prefix up to block i). Completions. Block i of the
                 prompt is the text of hash_ids[i]; the last block is cut to fit input_length,
                 blocks beyond hash_ids get ids private to the request and ids beyond
-                input_length are ignored. Arrival = timestamp / 1000. Output length 0 asks
-                for 1 token.
+                input_length are ignored. Arrival = timestamp / 1000, counted from the
+                earliest request. Output length 0 asks for 1 token.
     block_size=512      tokens per hash id (16 for the Qwen-Bailian traces)
     on_error=skip       skip: a malformed line is reported in `warnings` and skipped;
                         fail: it raises WorkloadError naming file:line
@@ -354,7 +354,11 @@ def _read_block_trace(path: str, opts: dict, *, bailian: bool) -> tuple[str, lis
     with _open(path, "rb") as file:
         rows = ((n, raw) for n, raw in enumerate(file, 1) if raw.strip())
         kept, warnings = _collect(path, rows, parse, opts["on_error"], opts["limit"])
-    return f"{'bailian' if bailian else 'mooncake'} trace {path}", [build(r) for r in kept], warnings
+    # Times count from the earliest request, as for azure: a window cut from the middle of a
+    # trace would otherwise open with hours of nothing, waited out for real in a live run.
+    start = min((r.arrival_s for r in kept), default=0.0)
+    drafts = [build(r._replace(arrival_s=r.arrival_s - start)) for r in kept]
+    return f"{'bailian' if bailian else 'mooncake'} trace {path}", drafts, warnings
 
 
 class _BlockRow(NamedTuple):

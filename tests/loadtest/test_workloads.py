@@ -125,6 +125,14 @@ def test_bailian_times_are_seconds_and_turns_share_their_conversation(bailian_tr
     assert common_prefix(second, third) == 70
 
 
+def test_a_window_cut_from_the_middle_of_a_trace_starts_at_once(tmp_path: Path) -> None:
+    hour = 3_600_000
+    trace = write_jsonl(tmp_path / "t.jsonl", [mooncake(hour + 250, 16, 1, [1]), mooncake(hour, 16, 1, [2])])
+    assert [r.arrival_s for r in load_workload(f"mooncake:{trace},block_size=16").requests] == [0.0, 0.25]
+    qwen = write_jsonl(tmp_path / "q.jsonl", [bailian(5, -1, 7200.5, 16, 1, [1]), bailian(6, 5, 7260.5, 32, 1, [1, 2])])
+    assert [r.arrival_s for r in load_workload(f"bailian:{qwen}").requests] == [0.0, 60.0]
+
+
 def test_a_bailian_trace_read_as_mooncake_is_refused_not_replayed_a_thousand_times_fast(
         bailian_trace: Path) -> None:
     with pytest.raises(WorkloadError, match="bailian:"):
