@@ -9,6 +9,7 @@ GPUs would have taken.
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -90,7 +91,7 @@ def summarize(
     block is as right as a block-granular cache lets it be."""
     ok = [r for r in records if r.ok]
     errors = [r for r in records if not r.ok]
-    error_kinds = Counter(r.error or f"HTTP {r.status}" for r in errors)
+    error_kinds = error_kinds_of([r.error or f"HTTP {r.status}" for r in errors])
 
     ttft = _present(r.ttft_s for r in ok)
     tpot = _present(r.tpot_s for r in ok)
@@ -160,6 +161,26 @@ def _model_summary(records: Sequence[RequestRecord], duration_s: float) -> dict[
         "ttft_s": {"p50": whole["ttft_s"]["p50"], "p99": whole["ttft_s"]["p99"]},
         "e2e_s": whole["e2e_s"],
     }
+
+
+# A number in an error's text, unless it is the status of "HTTP 503".
+_NUMBER = re.compile(r"(?<!HTTP )(?<![\w.])(\d+(?:\.\d+)?)(?![\w.])")
+
+
+def error_kinds_of(texts: Sequence[str]) -> Counter[str]:
+    """Errors counted by kind: texts that differ only in their numbers are one kind (an
+    engine names each request's own lengths: "134773 prompt tokens ... exceed the limit of
+    131072"), named by their text with each number that differs among them as N."""
+    groups: dict[tuple[str, ...], list[list[str]]] = {}
+    for text in texts:
+        parts = _NUMBER.split(text)  # words, number, words, number, ..., words
+        groups.setdefault(tuple(parts[0::2]), []).append(parts[1::2])
+    kinds: Counter[str] = Counter()
+    for words, numbers in groups.items():
+        first = numbers[0]
+        shown = [n if all(other[i] == n for other in numbers) else "N" for i, n in enumerate(first)]
+        kinds["".join(w + (shown[i] if i < len(shown) else "") for i, w in enumerate(words))] = len(numbers)
+    return kinds
 
 
 def error_digest(summary: Mapping[str, Any]) -> str:

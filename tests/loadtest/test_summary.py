@@ -132,3 +132,18 @@ def test_format_summary_for_people():
     assert "TTFT p50 100.0 ms" in text and "cache hit ratio 0.000" in text
     assert "per replica: a=1, b=0" in text
     assert "time scale" not in format_summary(summarize([], 1.0))
+
+
+def test_errors_that_differ_only_in_their_numbers_are_one_kind():
+    # An engine's refusal names each request's own lengths; a report of ten kinds of one
+    # request each would hide that every error is the same one.
+    refusals = [f"{p} prompt tokens plus {o} output tokens exceed the limit of 131072 tokens"
+                for p, o in ((134773, 382), (191374, 7), (191373, 10))]
+    records = [record(i, status=400, error=text) for i, text in enumerate(refusals)]
+    records += [record(3, status=503, error=None), record(4, status=429, error=None),
+                record(5, status=503, error=None), record(6, status=0, error="timeout after 30 s")]
+    summary = summarize(records, duration_s=1.0)
+    assert summary["error_kinds"] == {
+        "N prompt tokens plus N output tokens exceed the limit of 131072 tokens": 3,
+        "HTTP 503": 2, "HTTP 429": 1, "timeout after 30 s": 1,
+    }  # fmt: skip
