@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
+from xxhash import xxh3_64_hexdigest
 
 from balancer.errors import ClientError
 from policies.base import RequestFeatures
@@ -215,9 +216,21 @@ def _text_of(content: Any, depth: int = 0) -> str:
             return ""
         # Content parts ({"type": "text", "text": ...}), batched prompts, or token ids.
         return "\n".join(
-            _text_of(part.get("text") if isinstance(part, Mapping) else part, depth + 1)
+            (_text_of(part.get("text"), depth + 1) if "text" in part else _media_of(part))
+            if isinstance(part, Mapping) else _text_of(part, depth + 1)
             for part in content
         )
     if isinstance(content, Mapping):
         return ""
     return str(content)
+
+
+def _media_of(part: Mapping[str, Any]) -> str:
+    """An image or audio part, as a digest of the whole part: engines key their prefix cache
+    on the media too, so two prompts that differ only in an image share nothing from it on,
+    and the same image sent again is the same prefix."""
+    try:
+        whole = orjson.dumps(part, option=orjson.OPT_SORT_KEYS)
+    except (orjson.JSONEncodeError, TypeError):
+        return ""
+    return f"<|{part.get('type', '')}|>{xxh3_64_hexdigest(whole)}"

@@ -22,6 +22,18 @@ def test_canonical_chat_prompt_is_stable_and_ordered() -> None:
     assert canonical_prompt("/v1/chat/completions", data) == '<|tools|>[{"a":2,"b":1}]\n<|system|>S\n<|user|>Q'
 
 
+def test_an_image_is_part_of_the_prefix_as_the_engines_cache_it() -> None:
+    def prompt(url: str, question: str = "What is in it?") -> str:
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": question}]
+        return canonical_prompt("/v1/chat/completions", {"messages": [{"role": "user", "content": content}]})
+
+    cat, dog = prompt("data:image/png;base64,Y2F0"), prompt("data:image/png;base64,ZG9n")
+    # Different images share nothing past the user's role marker; the same image is the same prefix.
+    assert cat != dog and cat.startswith("<|user|><|image_url|>")
+    assert cat.split("\n")[0] != dog.split("\n")[0]
+    assert prompt("data:image/png;base64,Y2F0", "And its colour?").split("\n")[0] == cat.split("\n")[0]
+
+
 def test_messages_of_the_wrong_type_give_an_empty_prompt() -> None:
     assert canonical_prompt("/v1/chat/completions", {"messages": 5}) == ""
     assert canonical_prompt("/v1/chat/completions", {"messages": {"role": "user"}}) == ""
