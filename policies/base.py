@@ -155,6 +155,9 @@ class RequestFeatures:
     # as the answers so far on its model's fleet showed (balancer/routing/batch_persistence.py);
     # None until enough have. Filled only for policies whose `needs_prompt` is true.
     batch_persistence: float | None = None
+    # Its time-to-first-token target in ms (its flow-control class's, or the header's), for
+    # policies that predict time; None where it has none.
+    ttft_target_ms: float | None = None
 
 
 # The calibrated decode iteration (docs/calibration.md, llama-3.1-8b on an H100), in ms: the

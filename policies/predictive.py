@@ -21,7 +21,9 @@ its share without anyone re-deriving weights. For replica r (all in ms)::
     copy    = (1 − β)² · σ · (P − P_C) · v / w   with σ = m / (1 + m), m = λ · copy_horizon_s / (h + 1)
     cost    = model·v + decode + fleet + locality − copy
 
-with P = u·b + k·u·(c + u/2) the request's own prefill there, p the prompt's tokens, c those
+and, with `ttft_target_weight` set, the excess over the request's time-to-first-token
+target where another candidate is predicted to meet it (policies/ttft_target.py); with
+P = u·b + k·u·(c + u/2) the request's own prefill there, p the prompt's tokens, c those
 r holds cached, u = p − c, q the prefill queued on r, L the LoRA adapter loads under way
 there (each stalls the engine's iterations, so whoever comes next waits it out), D the
 sequences r decodes and X their context tokens, C the most of the prompt any replica holds
@@ -88,7 +90,8 @@ the prediction in this fleet's own milliseconds), ``model_itl_ms`` (`itl`, fitte
 way against the observed time per output token), ``speed`` (v), ``decode_speed`` (s),
 ``decode_ms``, ``fleet_ms``, ``copy_credit_ms``, ``locality_ms``, ``busy`` (β),
 ``persistence`` (ρ' as used), ``cost``,
-``wait_ms`` (= ttft_ms, for the overflow decision), ``tier``, and the terms the two
+``wait_ms`` (= ttft_ms, for the overflow decision), ``tier``, ``target_ms`` (what it paid
+for its excess over a target, only where it paid), and the terms the two
 predictions add up are the Choice's ``parts``, which the routing core fits one by one
 (MODEL_TTFT_PARTS and MODEL_ITL_PARTS of policies/base.py). Where the replica's fitted terms are in use,
 ``ttft_ms`` is those terms applied to the first three instead of the multiplier to
@@ -125,6 +128,7 @@ from policies.costs import (
     region_penalties,
     saturation,
 )
+from policies.ttft_target import steer_to_target
 
 
 class PredictivePolicy(Policy):
@@ -228,6 +232,17 @@ class PredictivePolicy(Policy):
         request, on an adapter or not, also waits out the loads under way on a replica (L
         above). 0: blind to adapters and their loads.
 
+    A time-to-first-token target (policies/ttft_target.py):
+
+    ttft_target_weight (>= 0; default 0.0: off)
+        While some candidate is predicted to meet a request's target, what each ms a
+        candidate is predicted past it adds to its cost (10 in docs/routing.md's runs). Off
+        by default: it raises the share of requests within their target at moderate load
+        and costs end-to-end time where the fleet is saturated.
+    ttft_target_ms (ms, >= 0; default 0: none)
+        The target of requests that bring none of their own (a flow-control class's
+        `ttft_slo_ms` or the `x-kvlb-ttft-slo-ms` header, which win).
+
     Locality, tiers and ties:
 
     same_region_penalty_ms (ms, >= 0; default 0.0), other_region_penalty_ms (ms, >=
@@ -270,6 +285,8 @@ class PredictivePolicy(Policy):
         tie_tolerance_ms: float = 3.0,
         tie_tolerance_ratio: float = 0.01,
         adapter_weight: float = 1.0,
+        ttft_target_ms: float = 0.0,
+        ttft_target_weight: float = 0.0,
         seed: int | None = None,
         **params: Any,
     ) -> None:
@@ -320,6 +337,8 @@ class PredictivePolicy(Policy):
         self.tie_tolerance_ms = number_param("tie_tolerance_ms", tie_tolerance_ms, "ms")
         self.tie_tolerance_ratio = fraction_param("tie_tolerance_ratio", tie_tolerance_ratio, "fraction of the cost")
         self.adapter_weight = number_param("adapter_weight", adapter_weight, "weight")
+        self.ttft_target_ms = number_param("ttft_target_ms", ttft_target_ms, "ms")
+        self.ttft_target_weight = number_param("ttft_target_weight", ttft_target_weight, "weight")
 
     def expected_output(self, request: RequestFeatures) -> float:
         wanted = request.max_tokens
@@ -587,6 +606,9 @@ class PredictivePolicy(Policy):
             elif ttft < best_committed_wait:
                 best_committed_wait = ttft
             i += 1
+        target = request.ttft_target_ms if request.ttft_target_ms is not None else self.ttft_target_ms
+        if target:
+            steer_to_target(choices, keys, target, self.ttft_target_weight)
         return rank_with_tiers(choices, keys, overflow, best_committed_wait, self.overflow_after_ms)
 
 

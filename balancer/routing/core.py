@@ -318,6 +318,7 @@ class RoutingCore:
                 adapter=adapter,
                 prefix_rate=routed.prefix_rate,
                 batch_persistence=self.batch_persistence.slope(self._persistence_key(features.model)),
+                ttft_target_ms=features.ttft_target_ms,
             )
         ranking = self.policy_for(features.model).rank(features, candidates)
         return Journey(features, ranking, routed, max_attempts=self.settings.max_attempts)

@@ -4,6 +4,7 @@ decision, the proxy's attempts, then its metrics and access-log line."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -105,6 +106,8 @@ class Forwarder:
                     counted_model = self.core.enter_model(features.model)
                 if self.flow is not None:
                     ticket = self._ticket(request, features, started)
+                    if ticket.ttft_slo_s is not None:
+                        features = dataclasses.replace(features, ttft_target_ms=ticket.ttft_slo_s * 1000.0)
                     if ticket.ttft_slo_s is not None and self.flow.flow.would_wait():
                         self._predict_ttft(request, route, features, ticket, started)
                     if not self.flow.try_enter(ticket, started):

@@ -32,6 +32,7 @@ engine that much after it left the balancer, and each token that much after the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import itertools
@@ -403,14 +404,20 @@ class Simulator:
             self._route(waiter)
 
     def prepared(self, request: WorkRequest) -> tuple[dict[str, Any], bytes, RequestFeatures]:
-        """The body `kvlb serve` would receive for `request`, and kvlb's parse of it. Raises
-        the parser's ClientError."""
+        """The body `kvlb serve` would receive for `request`, and kvlb's parse of it (with its
+        flow-control target, once it has a ticket, as the proxy's). Raises the parser's
+        ClientError."""
         prepared = self._bodies.get(request.index)
         if prepared is None:
             payload = request.payload(MODEL, stream=True)
             body = orjson.dumps(payload)
             features = parse_request(request.route, body, request.session, with_prompt=self.needs_prompt)
             prepared = self._bodies[request.index] = (payload, body, features)
+        if self.flow is not None:
+            ticket = self.flow.tickets.get(request.index)
+            if ticket is not None and ticket.ttft_slo_s is not None and prepared[2].ttft_target_ms is None:
+                targeted = dataclasses.replace(prepared[2], ttft_target_ms=ticket.ttft_slo_s * 1000.0)
+                prepared = self._bodies[request.index] = (prepared[0], prepared[1], targeted)
         return prepared
 
     def predicted_ttft_s(self, request: WorkRequest) -> float | None:

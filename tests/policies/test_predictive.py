@@ -346,3 +346,28 @@ def test_an_overloaded_fleet_waits_where_the_adapter_is_rather_than_stall_a_queu
     # With the shorter queue empty the fleet is not busy, and the load beside it is worth it.
     holding.prefill_tokens_queued, loading.prefill_tokens_queued = 45_000, 0
     assert PredictivePolicy(seed=0, **ties).rank(_adapter_request(), [loading, holding])[0].replica is loading
+
+
+def test_a_ttft_target_steers_to_a_replica_that_meets_it_only_when_one_does() -> None:
+    # The replica with prefill queued is cheaper overall (its batch is empty, the answer is
+    # long) but slower to the first token: about 108 ms against 50.
+    fleet = [FakeReplica("queued", prefill_tokens_queued=3000), FakeReplica("batch", decoding=4, context_tokens=8000)]
+    exact = {"tie_tolerance_ms": 0, "tie_tolerance_ratio": 0}
+
+    def ranked(params: dict, target_ms: float | None = None) -> list:
+        req = RequestFeatures(route="/v1/chat/completions", model="m", prompt_tokens=2000, max_tokens=500,
+                              ttft_target_ms=target_ms)
+        return make_policy("predictive", {**exact, **params}).rank(req, fleet)
+
+    assert ranked({})[0].replica.name == "queued"
+    steer = {"ttft_target_weight": 10}
+    steered = ranked(steer, target_ms=80)
+    assert [c.replica.name for c in steered] == ["batch", "queued"]
+    assert steered[1].terms["target_ms"] == pytest.approx(10 * (steered[1].terms[TTFT_TERM] - 80))
+    # The policy's own target serves requests without one; a request's own target wins.
+    assert ranked({**steer, "ttft_target_ms": 80})[0].replica.name == "batch"
+    assert ranked({**steer, "ttft_target_ms": 80}, target_ms=200)[0].replica.name == "queued"
+    # Neither can meet 30 ms: the ranking is the usual one. And without the weight, targets are inert.
+    assert ranked(steer, target_ms=30)[0].replica.name == "queued"
+    assert "target_ms" not in ranked(steer, target_ms=30)[0].terms
+    assert ranked({}, target_ms=80)[0].replica.name == "queued"

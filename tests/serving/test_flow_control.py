@@ -196,3 +196,30 @@ async def test_a_client_that_leaves_while_waiting_gives_its_place_back():
             await blocker
         assert status == 200 and "leaving" not in order
         assert flow.in_flight == 0 and flow.queued == 0
+
+
+async def test_a_requests_ttft_target_reaches_the_ranking_from_its_class_or_header():
+    # One replica is busy prefilling a long prompt, the other idle: a request with a 100 ms
+    # target can meet it only on the idle one, and the busy one, ranked next, pays for its
+    # predicted excess. A request without a target pays nothing anywhere.
+    blocker = "word " * 20000
+    order: list[str] = []
+    flow = {**MINIMAL, "classes": [{"name": "critical", "ttft_slo_ms": 100}, {"name": "standard"}]}
+    async with AsyncExitStack() as stack:
+        urls = [await stack.enter_async_context(serve_app(ordered_app(order, {blocker: 0.6}))) for _ in range(2)]
+        settings = make_settings([{"url": url, "name": f"r{n}", "model": "m"} for n, url in enumerate(urls)],
+                                 flow_control=flow, routing={"route_header": True},
+                                 policy={"name": "predictive", "params": {"ttft_target_weight": 10}})
+        running = await stack.enter_async_context(run_balancer(settings))
+        async with aiohttp.ClientSession() as http:
+            busy = asyncio.create_task(post(http, running.url, blocker))
+            while not order:
+                await asyncio.sleep(0.01)
+            answers = [await post(http, running.url, "a short question", headers)
+                       for headers in ({"x-kvlb-ttft-slo-ms": "100"}, {"x-kvlb-priority": "critical"}, {})]
+            assert (await busy)[0] == 200
+    for (status, headers, _), targeted in zip(answers, (True, True, False), strict=True):
+        assert status == 200
+        chosen, following = headers["x-kvlb-route"].split("; next=")
+        assert "target_ms=" not in chosen
+        assert ("target_ms=" in following) is targeted
