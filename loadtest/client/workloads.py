@@ -35,7 +35,7 @@ mooncake:PATH   Mooncake JSONL trace, one object per line: `timestamp` (ms), `in
                 blocks beyond hash_ids get ids private to the request and ids beyond
                 input_length are ignored. Arrival = timestamp / 1000, counted from the
                 earliest request. Output length 0 asks for 1 token.
-    block_size=512      tokens per hash id (16 for the Qwen-Bailian traces)
+    block_size=512      tokens per hash id
     on_error=skip       skip: a malformed line is reported in `warnings` and skipped;
                         fail: it raises WorkloadError naming file:line
 
