@@ -54,6 +54,15 @@ azure:PATH      Azure LLM inference trace CSV with columns `TIMESTAMP` (a dateti
                 relative to the earliest row.
     on_error=skip       as for mooncake
 
+burstgpt:PATH   BurstGPT CSV (`Timestamp` in seconds, `Model`, `Request tokens`, `Response tokens`,
+                `Total tokens`, `Log Type`; its third release adds `Session ID`, which becomes
+                each request's session). Lengths and arrivals only, as azure: every prompt is
+                unique and arrival times count from the earliest row. A row of 0 request
+                tokens is skipped; 0 response tokens (a failed request in the files with
+                failures) asks for 1. The `Model` column names the models BurstGPT logged
+                (ChatGPT, GPT-4), not one a fleet serves, so it is not read.
+    on_error=skip       as for mooncake
+
 shared-prefix   SGLang's generated-shared-prefix benchmark: `groups` system prompts, each
                 followed by `prompts_per_group` questions; completions, prompt = system + " " +
                 question. Requests are shuffled and arrive as a Poisson process.
@@ -392,24 +401,46 @@ def _csv_int(row: dict, key: str, low: int) -> int:
         return _whole(None, key, low)
 
 
-_AZURE_COLUMNS = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
+class _CsvSchema(NamedTuple):
+    """The columns of a lengths-only CSV trace: its arrival time, prompt and answer lengths,
+    and the session each request belongs to, where the trace names one."""
+
+    kind: str
+    timestamp: str
+    prompt: str
+    output: str
+    session: str | None = None
+
+
+_AZURE = _CsvSchema("azure", "TIMESTAMP", "ContextTokens", "GeneratedTokens")
+_BURSTGPT = _CsvSchema("burstgpt", "Timestamp", "Request tokens", "Response tokens", "Session ID")
 
 
 def _read_azure(path: str, opts: dict, rng: random.Random) -> tuple[str, list, list]:
+    return _read_csv_trace(path, opts, _AZURE)
+
+
+def _read_burstgpt(path: str, opts: dict, rng: random.Random) -> tuple[str, list, list]:
+    return _read_csv_trace(path, opts, _BURSTGPT)
+
+
+def _read_csv_trace(path: str, opts: dict, schema: _CsvSchema) -> tuple[str, list, list]:
     def parse(lineno: int, row: dict) -> WorkRequest:
         try:
-            stamp = _azure_seconds(row["TIMESTAMP"] or "")
+            stamp = _azure_seconds(row[schema.timestamp] or "")
         except ValueError:
-            raise _BadRow(f"bad 'TIMESTAMP' {row['TIMESTAMP']!r}") from None
-        prompt = _csv_int(row, "ContextTokens", 1)
-        output = max(1, _csv_int(row, "GeneratedTokens", 0))
-        return WorkRequest(0, stamp, prompt, output, None, ROUTE_COMPLETIONS,
+            raise _BadRow(f"bad {schema.timestamp!r} {row[schema.timestamp]!r}") from None
+        prompt = _csv_int(row, schema.prompt, 1)
+        output = max(1, _csv_int(row, schema.output, 0))
+        session = (row.get(schema.session) or None) if schema.session else None
+        return WorkRequest(0, stamp, prompt, output, session, ROUTE_COMPLETIONS,
                            (("", ((f"a{lineno}", prompt),)),))
 
     with _open(path, "r", encoding="utf-8", newline="") as file:
         reader = csv.DictReader(file)
         try:
-            missing = _AZURE_COLUMNS - set(reader.fieldnames or ())
+            required = {schema.timestamp, schema.prompt, schema.output}
+            missing = required - set(reader.fieldnames or ())
             if missing:
                 raise WorkloadError(f"{path}:1: missing columns {', '.join(sorted(missing))}")
             rows = ((reader.line_num, row) for row in reader)
@@ -418,7 +449,7 @@ def _read_azure(path: str, opts: dict, rng: random.Random) -> tuple[str, list, l
             raise WorkloadError(f"{path}:{reader.line_num}: unreadable CSV ({e})") from None
     start = min((d.arrival_s for d in drafts), default=0.0)
     drafts = [dataclasses.replace(d, arrival_s=d.arrival_s - start) for d in drafts]
-    return f"azure trace {path}", drafts, warnings
+    return f"{schema.kind} trace {path}", drafts, warnings
 
 
 def _read_payloads(path: str, opts: dict, rng: random.Random) -> tuple[str, list, list]:
@@ -651,6 +682,7 @@ _KINDS: dict[str, tuple[_Builder, bool, dict[str, _Option]]] = {
     "mooncake": (_read_mooncake, True, {"block_size": (_COUNT, 512), "on_error": _ON_ERROR}),
     "bailian": (_read_bailian, True, {"block_size": (_COUNT, 16), "on_error": _ON_ERROR}),
     "azure": (_read_azure, True, {"on_error": _ON_ERROR}),
+    "burstgpt": (_read_burstgpt, True, {"on_error": _ON_ERROR}),
     "payloads": (_read_payloads, True, {"repeat": (_COUNT, 1), "on_error": _ON_ERROR}),
     "shared-prefix": (_shared_prefix, False, {
         "groups": (_COUNT, 64), "prompts_per_group": (_COUNT, 16),

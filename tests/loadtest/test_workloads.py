@@ -274,6 +274,35 @@ def test_a_limit_keeps_the_earliest_requests_of_an_unsorted_trace_in_file_order_
     assert [(r.arrival_s, r.prompt_tokens) for r in w.requests] == [(0.0, 40), (5.0, 20)]
 
 
+def test_burstgpt_lengths_arrivals_and_sessions(tmp_path: Path) -> None:
+    first = tmp_path / "BurstGPT_1.csv"
+    first.write_text(
+        "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+        "5,ChatGPT,472,18,490,Conversation log\n"
+        "45,ChatGPT,1087,230,1317,Conversation log\n"
+        "7,ChatGPT,0,20,20,Conversation log\n"
+        "118,GPT-4,417,276,693,Conversation log\n"
+        "120,GPT-4,300,0,300,API log\n")
+    w = load_workload(f"burstgpt:{first}")
+    assert [r.arrival_s for r in w.requests] == [0.0, 40.0, 113.0, 115.0]
+    assert [r.prompt_tokens for r in w.requests] == [472, 1087, 417, 300]
+    assert [r.output_tokens for r in w.requests] == [18, 230, 276, 1]  # a failed request asks for 1
+    assert all(r.session is None for r in w.requests)
+    assert len({words(r)[0] for r in w.requests}) == 4  # nothing shared
+    assert [x.split(": skipped")[0] for x in w.warnings] == [f"{first}:4"]  # no prompt to send
+
+    third = tmp_path / "BurstGPT_3.csv"
+    third.write_text(
+        "Timestamp,Session ID,Elapsed time,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+        "0.5,a1,1.2,ChatGPT,100,20,120,Conversation log\n"
+        "2.0,b2,0.8,ChatGPT,50,10,60,Conversation log\n"
+        "9.5,a1,1.0,ChatGPT,180,30,210,Conversation log\n")
+    w = load_workload(f"burstgpt:{third}")
+    assert [(r.arrival_s, r.session) for r in w.requests] == [(0.0, "a1"), (1.5, "b2"), (9.0, "a1")]
+    with pytest.raises(WorkloadError, match="missing columns Request tokens"):
+        load_workload(f"burstgpt:{write_azure(tmp_path / 'azure.csv', [('1.0', 5, 5)])}")
+
+
 def test_azure_numeric_timestamps_and_missing_columns(tmp_path: Path) -> None:
     trace = write_azure(tmp_path / "a.csv", [("10.5", 3, 1), ("12", 4, 1)])
     assert [r.arrival_s for r in load_workload(f"azure:{trace},speedup=2").requests] == [0, 0.75]
