@@ -363,11 +363,7 @@ def _read_block_trace(path: str, opts: dict, *, bailian: bool) -> tuple[str, lis
     with _open(path, "rb") as file:
         rows = ((n, raw) for n, raw in enumerate(file, 1) if raw.strip())
         kept, warnings = _collect(path, rows, parse, opts["on_error"], opts["limit"])
-    # Times count from the earliest request, as for azure: a window cut from the middle of a
-    # trace would otherwise open with hours of nothing, waited out for real in a live run.
-    start = min((r.arrival_s for r in kept), default=0.0)
-    drafts = [build(r._replace(arrival_s=r.arrival_s - start)) for r in kept]
-    return f"{'bailian' if bailian else 'mooncake'} trace {path}", drafts, warnings
+    return f"{'bailian' if bailian else 'mooncake'} trace {path}", [build(r) for r in kept], warnings
 
 
 class _BlockRow(NamedTuple):
@@ -447,8 +443,6 @@ def _read_csv_trace(path: str, opts: dict, schema: _CsvSchema) -> tuple[str, lis
             drafts, warnings = _collect(path, rows, parse, opts["on_error"], opts["limit"])
         except (csv.Error, UnicodeDecodeError) as e:
             raise WorkloadError(f"{path}:{reader.line_num}: unreadable CSV ({e})") from None
-    start = min((d.arrival_s for d in drafts), default=0.0)
-    drafts = [dataclasses.replace(d, arrival_s=d.arrival_s - start) for d in drafts]
     return f"{schema.kind} trace {path}", drafts, warnings
 
 
@@ -787,6 +781,11 @@ def _load_one(spec: str) -> Workload:
     # sorted() is stable, so requests at the same time keep the file's or generator's order.
     drafts = sorted(drafts, key=lambda d: d.arrival_s)[: opts["limit"]]
     arrivals = [d.arrival_s for d in drafts]
+    if trace:
+        # A trace's times count from its earliest request: a window cut from the middle of a
+        # trace (or epoch timestamps) would otherwise open with hours of nothing, waited out
+        # for real in a live run.
+        arrivals = [at - arrivals[0] for at in arrivals]
     notes = []
     if trace and opts["rate"] is not None:
         arrivals = _poisson(rng, len(drafts), opts["rate"])
