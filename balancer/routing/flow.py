@@ -195,9 +195,10 @@ class FlowController:
         self.ttft_estimate_s = 0.0  # after dispatch, learned from answers (`first_byte`)
         self.remote_peers = 0  # instances whose shares count here (watchers/flow_share.py)
         self.remote_waiting = 0  # requests waiting on those instances, all classes
-        # Set by the driver where instances share: (peer, model) -> whether a place on a
-        # replica of `model` was handed to that peer (and is counted as taken here).
-        self.hand_off: Callable[[str, str | None], bool] | None = None
+        # Set by the driver where instances share: (peer, model, class, tenant) -> whether a
+        # place on a replica of `model` was handed to that peer for that tenant's waiting
+        # request (and is counted as taken here).
+        self.hand_off: Callable[[str, str | None, str, str], bool] | None = None
         self.handed_off = 0  # places handed to peers
         self.places_received = 0  # and from them
 
@@ -417,7 +418,7 @@ class FlowController:
         exchange says otherwise, one request fewer waiting and the service of a request like
         the one it came from (`cost`: what is known here of the peer's requests is their number)."""
         hand_off, peer = self.hand_off, klass.remote_where.get(name)
-        if hand_off is None or peer is None or not hand_off(peer, model):
+        if hand_off is None or peer is None or not hand_off(peer, model, klass.spec.name, name):
             return False
         self.handed_off += 1
         left = klass.remote_queued[name] - 1

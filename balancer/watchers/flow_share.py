@@ -12,6 +12,10 @@ a replica with room, which this instance then counts as taken and the peer as fr
 their next load snapshots say so (`StateSync.lend`, `StateSync.credit`). Without it, a
 place went back to its own instance's line before a peer heard of it, and with requests
 shorter than the exchange the instance serving only a flooding tenant kept its places.
+Likewise the request a place was handed for counts as no longer waiting there until the
+peer's second snapshot taken after the hand-off (the first may predate its taking the
+place): a snapshot read a moment after, but taken before, would otherwise have it still
+waiting, and the next place to free would be handed for it again.
 
 It is approximate by the exchange interval: what a peer admitted since its last snapshot is
 not counted yet. When Redis is away, or a peer's snapshot lapses, its share leaves the sum and
@@ -38,6 +42,8 @@ if TYPE_CHECKING:
 
 # Hand-offs on their way to Redis at once: beyond, a place stays with its own instance.
 MAX_SENDING = 64
+# Hand-offs whose requests are counted as no longer waiting on their peers, at most.
+MAX_HANDED_FOR = 256
 # How long the channel's reader waits for a message before looking again.
 LISTEN_S = 1.0
 
@@ -62,6 +68,8 @@ class FlowShare:
         self.stats = sync.stats
         self.on_room: Callable[[], None] | None = None  # a handed place arrived: look at the line
         self._sending: set[asyncio.Task[None]] = set()
+        # [peer, class, tenant, sent at (wall), the first of the peer's snapshots taken after]
+        self._handed: list[list[Any]] = []
         flow.hand_off = self.hand_off
 
     async def exchange(self, redis: Any) -> None:
@@ -76,6 +84,7 @@ class FlowShare:
         totals: dict[tuple[str, str], tuple[float, int]] = {}
         where: dict[tuple[str, str], tuple[int, str]] = {}
         peers = 0
+        self._handed = [h for h in self._handed if h[3] > wall - self.sync.settings.load_ttl_s]
         for key, raw in zip(keys, raws, strict=True):
             if raw is None:
                 continue  # lapsed between the scan and the read
@@ -88,7 +97,9 @@ class FlowShare:
             peers += 1
             # Faded to now on this side, as the controller fades its own.
             fade = math.exp(-max(wall - taken, 0.0) / flow.fairness_window_s)
+            unseen = self._handed_unseen(peer, taken)
             for class_name, tenant, attained, queued in shares:
+                queued = max(queued - unseen.get((class_name, tenant), 0), 0)
                 before = totals.get((class_name, tenant), (0.0, 0))
                 totals[(class_name, tenant)] = (before[0] + attained * fade, before[1] + queued)
                 if queued > where.get((class_name, tenant), (0, ""))[0]:
@@ -97,9 +108,10 @@ class FlowShare:
 
     # -- places handed between instances ---------------------------------------------------
 
-    def hand_off(self, peer: str, model: str | None) -> bool:
-        """Gives `peer` a place on a replica of `model` with room here (the controller's
-        `hand_off`). False: none to give, or too many on their way; the place stays."""
+    def hand_off(self, peer: str, model: str | None, class_name: str, tenant: str) -> bool:
+        """Gives `peer` a place on a replica of `model` with room here, for `tenant`'s request
+        waiting there (the controller's `hand_off`). False: none to give, or too many on
+        their way; the place stays."""
         sync = self.sync
         if len(self._sending) >= MAX_SENDING or not sync.can_lend():
             return False
@@ -108,10 +120,32 @@ class FlowShare:
         if replica is None:
             return False
         sync.lend(peer, replica.name)
-        task = loop.create_task(self._send(peer, replica.name, time.time()))
+        sent_at = time.time()
+        if len(self._handed) >= MAX_HANDED_FOR:
+            del self._handed[0]
+        self._handed.append([peer, class_name, tenant, sent_at, None])
+        task = loop.create_task(self._send(peer, replica.name, sent_at))
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
         return True
+
+    def _handed_unseen(self, peer: str, taken: float) -> dict[tuple[str, str], int]:
+        """Per (class, tenant), the places handed to `peer` that its snapshot taken at
+        `taken` may not show yet; forgets those its second snapshot after shows."""
+        unseen: dict[tuple[str, str], int] = {}
+        kept = []
+        for handed in self._handed:
+            to, class_name, tenant, sent_at, first_after = handed
+            if to == peer and taken > sent_at:
+                if first_after is None:
+                    handed[4] = first_after = taken
+                elif taken > first_after:
+                    continue  # the second snapshot since: whatever it shows is so
+            if to == peer:
+                unseen[(class_name, tenant)] = unseen.get((class_name, tenant), 0) + 1
+            kept.append(handed)
+        self._handed = kept
+        return unseen
 
     async def _send(self, peer: str, replica: str, sent_at: float) -> None:
         message = orjson.dumps({"r": replica, "t": sent_at, "f": self.instance_id})
@@ -121,6 +155,7 @@ class FlowShare:
             heard = 0
         if not heard:
             self.sync.unlend(peer, replica)  # nobody took it: the place is this instance's again
+            self._handed = [h for h in self._handed if not (h[0] == peer and h[3] == sent_at)]
 
     async def listen(self, redis: Any) -> None:
         """Takes the places peers hand here, for ever (the sync restarts it after an outage)."""

@@ -17,7 +17,7 @@ class Places:
         self.flow = controller(max_in_flight=cap, free=lambda model, now: self.cap - self.flow.in_flight - self.lent)
         self.flow.hand_off = self.hand_off
 
-    def hand_off(self, peer, model) -> bool:
+    def hand_off(self, peer, model, klass, tenant) -> bool:
         if self.accept:
             self.lent += 1
             self.handed.append(peer)

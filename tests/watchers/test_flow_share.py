@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import aiohttp
+import orjson
 import pytest
+import redis.asyncio as aioredis
 
 from tests.conftest import make_settings, run_balancer, serve_app
 from tests.serving.test_flow_control import MINIMAL, post, queued
@@ -24,6 +27,13 @@ async def two_instances(redis_server, order, hold_s, **flow):
         async with run_balancer(settings) as a, run_balancer(settings) as b:
             await until(lambda: a.balancer.core.flow.remote_peers == 1 and b.balancer.core.flow.remote_peers == 1)
             yield a, b
+
+
+def handed(metrics: str, direction: str) -> float | None:
+    for line in metrics.splitlines():
+        if line.startswith(f'kvlb_flow_places_handed_total{{direction="{direction}"}} '):
+            return float(line.rsplit(" ", 1)[1])
+    return None
 
 
 def remote_queued(running, tenant: str) -> int:
@@ -97,8 +107,59 @@ async def test_a_place_that_frees_goes_to_the_instance_whose_tenant_should_go_ne
     # B's own line has only `wide`; one fair share serves `narrow`, waiting on A, first.
     assert order[-3:] == ["blocker", "narrow-on-a", "wide-on-b"]
     assert [status for status, _, _ in results] == [200] * 3
-    assert 'kvlb_flow_places_handed_total{direction="sent"} 1.0' in sent
-    assert 'kvlb_flow_places_handed_total{direction="received"} 1.0' in received
+    assert handed(sent, "sent") == 1.0
+    assert handed(received, "received") == 1.0
+
+
+async def test_a_request_handed_a_place_is_not_handed_another_for_a_snapshot_taken_before(redis_server):
+    """A peer's snapshot read just after a hand-off, but taken before the peer took the
+    place, still shows the request waiting; the next place to free is not handed for it
+    again, until the peer's second snapshot since still shows it waiting."""
+    order: list[str] = []
+    redis = aioredis.Redis.from_url(redis_server.url)
+    ghost_share = f"{redis_server.prefix}:flow:ghost"
+    sync = redis_server.sync_settings(load_interval_s=0.05, load_ttl_s=30.0, timeout_s=0.2)
+
+    async def ghost_waits(taken: float) -> None:
+        await redis.set(ghost_share, orjson.dumps({"t": taken, "s": [["standard", "narrow", 0.0, 1]]}), px=30_000)
+
+    try:
+        pubsub = redis.pubsub(ignore_subscribe_messages=True)
+        await pubsub.subscribe(f"{redis_server.prefix}:flow-places:ghost")
+        received: list[bytes] = []
+
+        async def listen() -> None:
+            while True:
+                message = await pubsub.get_message(timeout=0.05)
+                if message is not None:
+                    received.append(message["data"])
+
+        listener = asyncio.create_task(listen())
+        await ghost_waits(time.time())
+        async with serve_app(ordered_app(order, {"first": 0.2, "second": 0.6})) as url:
+            settings = make_settings([{"url": url, "name": "only", "model": "m", "max_concurrency": 2}],
+                                     flow_control=MINIMAL, sync=sync)
+            async with run_balancer(settings) as a, aiohttp.ClientSession() as http:
+                await until(lambda: remote_queued(a, "narrow") == 1)
+                first = asyncio.create_task(post(http, a.url, "first"))
+                second = asyncio.create_task(post(http, a.url, "second"))
+                await until(lambda: len(received) == 1)  # `first` ended: its place went to the ghost
+                await asyncio.gather(first, second)
+                await asyncio.sleep(0.2)  # exchanges that read the ghost's snapshot from before
+                assert len(received) == 1  # `second`'s place was not handed for the same request
+                await ghost_waits(time.time())  # may predate taking the place
+                await asyncio.sleep(0.2)
+                await ghost_waits(time.time() + 0.001)  # the second since: still waiting
+                await until(lambda: remote_queued(a, "narrow") == 1)
+                assert (await post(http, a.url, "late"))[0] == 200
+                await until(lambda: len(received) == 2)  # `late`'s place goes to it
+                async with http.get(a.url + "/metrics") as resp:
+                    assert handed(await resp.text(), "sent") == 2.0
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+        await pubsub.aclose()
+    finally:
+        await redis.aclose()
 
 
 async def test_a_higher_class_waiting_on_another_instance_takes_the_place_that_frees_here(redis_server):
