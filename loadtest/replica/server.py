@@ -50,6 +50,18 @@ def _json(payload: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
 
 
+@web.middleware
+async def _json_route_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """An unknown route or method answered as the engines' HTTP framework answers it
+    (FastAPI's `{"detail": ...}` in JSON), not as aiohttp's plain text."""
+    try:
+        return await handler(request)
+    except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
+        answer = _json({"detail": exc.reason}, exc.status)
+        if "Allow" in exc.headers:
+            answer.headers["Allow"] = exc.headers["Allow"]
+        return answer
+
 class ReplicaServer:
     def __init__(self, config: ReplicaConfig) -> None:
         self.config = config
@@ -75,7 +87,7 @@ class ReplicaServer:
     # -- lifecycle -----------------------------------------------------------------------
 
     def _build_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[_json_route_errors])
         GenerationRoutes(self.config, self.driver, self.faults, self.lora, self.handoff).add_to(app)
         router = app.router
         # As vLLM, which mounts these only with runtime updating allowed: otherwise they are

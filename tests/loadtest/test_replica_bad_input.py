@@ -157,3 +157,11 @@ fields = st.fixed_dictionaries(
 async def test_no_body_shape_causes_a_500(replica, http, route, body):
     status, _ = await post(http, replica.url + route, body)
     assert status in (200, 400)
+
+
+async def test_an_unknown_route_or_method_is_answered_in_json_as_the_engines_framework_does(replica, http):
+    status, payload = await post(http, replica.url + "/v1/embeddings", {"model": "m", "input": "hi"})
+    assert (status, payload) == (404, {"detail": "Not Found"})
+    async with http.delete(replica.url + "/v1/models") as response:
+        assert response.status == 405 and "GET" in response.headers["Allow"]
+        assert await response.json() == {"detail": "Method Not Allowed"}
