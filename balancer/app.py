@@ -139,8 +139,10 @@ class Balancer:
 
     @property
     def in_flight(self) -> int:
-        """Requests admitted and not finished (queued ones not included)."""
-        return self.admission.in_flight
+        """Requests admitted and not finished (queued ones not included), by flow control
+        where it is on (it admits instead of the admission line)."""
+        flow = self.core.flow
+        return flow.in_flight if flow is not None else self.admission.in_flight
 
     @property
     def draining(self) -> bool:

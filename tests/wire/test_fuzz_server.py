@@ -1,8 +1,9 @@
 """Fuzzing a running kvlb over real sockets: bodies, JSON shapes, headers, paths and framing.
 
-Three balancers (policies `least_load`, `cache_aware` and `consistent_hash`, so every way a
-request is read for routing gets fuzzed) run in this process in front of one stub replica,
-for the whole module. Before any fuzzing starts, another client opens a long stream through
+Five balancers (policies `least_load`, `cache_aware`, `consistent_hash` and `predictive`, so
+every way a request is read for routing gets fuzzed, and `predictive` again with flow control
+trusting its tenant, priority and TTFT target headers) run in this process in front of one
+stub replica, for the whole module. Before any fuzzing starts, another client opens a long stream through
 each balancer; it must keep streaming while the fuzzing runs and end intact.
 
 Properties, for every input a client can send:
@@ -42,7 +43,9 @@ from tests.conftest import TestBalancer, make_settings, run_balancer, serve_app
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-POLICIES = ("least_load", "cache_aware", "consistent_hash")
+FLOW = "predictive with flow control"  # a balancer name, not a policy's
+
+POLICIES = ("least_load", "cache_aware", "consistent_hash", "predictive", FLOW)
 MODEL = "stub-model"
 MAX_BODY = 8192
 TICKER_HEADER = "x-fuzz-ticker"  # marks the long stream; fuzzed headers never use it
@@ -137,10 +140,12 @@ async def env() -> AsyncIterator[Env]:
         stub = await stack.enter_async_context(serve_app(stub_with_ticker(stop)))
         balancers: dict[str, TestBalancer] = {}
         for policy in POLICIES:
+            flow = {"flow_control": {"enabled": True, "trust_headers": True}} if policy == FLOW else {}
             cfg = make_settings(
                 [{"url": stub, "name": "stub", "model": MODEL}],
-                policy={"name": policy},
+                policy={"name": "predictive" if policy == FLOW else policy},
                 limits={"max_body_bytes": MAX_BODY},
+                **flow,
                 # Also the deadline for a request's body: short, so a fuzzed framing that
                 # leaves kvlb waiting for more is answered 408 quickly.
                 timeouts={"first_byte_s": 2.0},
@@ -454,7 +459,8 @@ wire_values = st.binary(max_size=80).map(lambda b: b.replace(b"\r", b"").replace
 # Headers kvlb itself reads, with values from the whole latin-1 range.
 INTERPRETED = ["content-type", "content-length", "transfer-encoding", "expect", "connection",
                "x-request-id", "x-session-id", "x-kvlb-region", "x-kvlb-allowed-regions", "host",
-               "upgrade", "te", "keep-alive", "proxy-connection", "trailer"]
+               "upgrade", "te", "keep-alive", "proxy-connection", "trailer",
+               "x-kvlb-tenant", "x-kvlb-priority", "x-kvlb-ttft-slo-ms"]
 interpreted_values = (
     st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0xFF), max_size=24)
     | st.sampled_from(["chunked", "100-continue", "close", "keep-alive", "0", "-1", "+5", " 7 ", "1e3",
