@@ -36,7 +36,7 @@ STILL_REFUSED = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("policy", ["least_load", "cache_aware"])
+@pytest.mark.parametrize("policy", ["least_load", "cache_aware", "predictive"])
 async def test_wide_numbers_are_forwarded_byte_for_byte(policy):
     seen = Seen()
     async with AsyncExitStack() as stack:
