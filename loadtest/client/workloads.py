@@ -777,7 +777,8 @@ def _load_one(spec: str) -> Workload:
     rng = random.Random(opts["seed"])
     what, drafts, warnings = build(path, opts, rng)
     if not drafts:
-        raise WorkloadError(f"workload {spec!r}: no requests")
+        why = f" ({len(warnings)} lines skipped, the first {warnings[0]})" if warnings else ""
+        raise WorkloadError(f"workload {spec!r}: no requests{why}")
     # sorted() is stable, so requests at the same time keep the file's or generator's order.
     drafts = sorted(drafts, key=lambda d: d.arrival_s)[: opts["limit"]]
     arrivals = [d.arrival_s for d in drafts]

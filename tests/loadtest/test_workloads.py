@@ -208,6 +208,13 @@ def test_empty_trace_is_an_error(tmp_path: Path) -> None:
         load_workload(f"mooncake:{trace}")
 
 
+def test_a_file_with_no_request_says_why_its_lines_were_skipped(tmp_path: Path) -> None:
+    trace = tmp_path / "notes.jsonl"
+    trace.write_text("# not a trace\nnor this\n")
+    with pytest.raises(WorkloadError, match=r"no requests \(2 lines skipped, the first .*notes.jsonl:1: skipped: invalid JSON"):
+        load_workload(f"mooncake:{trace}")
+
+
 def test_shared_trace_prefixes_follow_hash_ids() -> None:
     w = load_workload(f"mooncake:{SHARED_TRACE},limit=200")
     lines = [json.loads(line) for line in SHARED_TRACE.read_text().splitlines()[:400]]
