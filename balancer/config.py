@@ -685,12 +685,40 @@ def parse_settings(data: Any) -> Settings:
     if not problems and not settings.replicas and not settings.replica_sets:
         problems.append("replicas: at least one replica is required")
     if not problems:
+        problems += _unservable_roles(settings)
         classes = {c.name for c in settings.flow_control.classes}
         problems += [f"auth.tenants[{i}].priority: {t.priority!r} is not one of flow_control.classes"
                      for i, t in enumerate(settings.auth.tenants) if t.priority is not None and t.priority not in classes]
     if problems:
         raise ConfigError(problems)
     return settings
+
+
+def _unservable_roles(settings: Settings) -> list[str]:
+    """A model whose configured replicas carry roles but make no pair, and none of which can
+    serve a request alone with SGLang's protocol (where a prefill or a decode server cannot),
+    would refuse every request (503 `no_replica_pair`): a configuration error, said at start.
+    A replica without a `model` may serve any model, so it counts towards every one; a
+    replica set's members serve both halves."""
+    if settings.disaggregation.protocol != "sglang":
+        return []  # with vLLM's every engine serves a request whole
+    members = [(r.model, r.role) for r in settings.replicas] + [(s.model, "both") for s in settings.replica_sets]
+    anyone = [role for model, role in members if model is None]
+    roles_of: dict[str | None, list[str]] = {}
+    for model, role in members:
+        roles_of.setdefault(model, list(anyone) if model is not None else [r for _, r in members])
+        if model is not None:
+            roles_of[model].append(role)
+    problems = []
+    for model, roles in roles_of.items():
+        has = set(roles)
+        if "both" in has or has >= {"prefill", "decode"} or not has & {"prefill", "decode"}:
+            continue
+        present, missing = ("prefill", "decode") if "prefill" in has else ("decode", "prefill")
+        whose = f"model {model!r}" if model is not None else "the replicas without a model"
+        problems.append(f"replicas: {whose}: {present} replicas but no {missing} replica nor one of role both; "
+                        "with SGLang's protocol none of its requests could be served")
+    return problems
 
 
 class _StrictLoader(yaml.SafeLoader):

@@ -330,3 +330,24 @@ def test_the_two_models_example_gives_the_70b_its_own_engine_model_and_bound():
     assert big.model == "llama-3.1-70b" and big.max_in_flight == 256
     assert big.policy is not None and big.policy.params["prefill_ms_per_token"] == 0.0668
     assert {r.model for r in s.replicas} == {"llama-3.1-70b", "llama-3.1-8b"}
+
+
+def test_a_model_whose_roles_make_no_pair_is_refused_with_sglangs_protocol():
+    def fleet(*members: tuple[str, str | None], **sections: object) -> dict:
+        replicas = [{"url": f"http://127.0.0.1:{9001 + i}", "role": role, "bootstrap_port": 8998,
+                     **({"model": model} if model else {})} for i, (role, model) in enumerate(members)]
+        return {"replicas": replicas, **sections}
+
+    assert problems_of(fleet(("prefill", "a"), ("decode", "b"))) == [
+        "replicas: model 'a': prefill replicas but no decode replica nor one of role both; "
+        "with SGLang's protocol none of its requests could be served",
+        "replicas: model 'b': decode replicas but no prefill replica nor one of role both; "
+        "with SGLang's protocol none of its requests could be served",
+    ]
+    assert "the replicas without a model: prefill replicas" in problems_of(fleet(("prefill", None)))[0]
+    # A pair, a replica that serves alone, or a replica without a model that may be either: served.
+    parse_settings(fleet(("prefill", "a"), ("decode", "a")))
+    parse_settings(fleet(("prefill", "a"), ("both", "a")))
+    parse_settings(fleet(("prefill", "a"), ("decode", None)))
+    # With vLLM's protocol every engine serves a request whole.
+    parse_settings(fleet(("prefill", "a"), disaggregation={"protocol": "vllm"}))
