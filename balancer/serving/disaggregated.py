@@ -2,11 +2,13 @@
 
 Each attempt is a pair: the prefill journey's next replica and the decode journey's next.
 Until the client has seen a byte, a failure of either half (no connection, no answer in
-time, 502/503, a prefill that fails) ends the pair and the next attempt sends both halves
-again to the next pair, with a fresh room or transfer: a half is never resent on its own,
+time, 429/502/503, a prefill that breaks off) ends the pair and the next attempt sends both
+halves again to the next pair, with a fresh room or transfer: a half is never resent on its own,
 since the other half's state went with the failed pair. What counts against a replica is
-what it did, as in `proxy.py`. The prefill answer never reaches the client; it is read to
-its end (bounded), and it is what ends the prefill replica's part of the load.
+what it did, as in `proxy.py`. A prefill replica's answer other than 200 (a 400 for a bad
+request, a 500) is the client's, as a colocated replica's would be: the request is refused
+or failed whichever pair it goes to. A 200 prefill answer never reaches the client; it is
+read to its end (bounded), and it is what ends the prefill replica's part of the load.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from balancer.serving.proxy import (
     failure_kind,
 )
 from balancer.serving.usage import counts_of, learnable, parse_json
-from balancer.wire.client import UpstreamError
+from balancer.wire.client import UpstreamError, UpstreamResponse
 from balancer.wire.server import Headers, Request
 
 # A prefill answer is one token: anything bigger is not one.
@@ -38,6 +40,17 @@ class _PairFailed(Exception):
     def __init__(self, side: str, replica: Replica, kind: str) -> None:
         super().__init__(f"{side} {replica.name}: {kind}")
         self.side, self.replica, self.kind = side, replica, kind
+
+
+class _PrefillAnswered(Exception):
+    """The prefill replica answered other than 200, and not as a replica that cannot take
+    the request now (429, 502, 503): it refused the request (400, 413, 422, a 404 that names
+    no adapter) or failed at it itself (500). That answer is the client's, as a colocated
+    replica's is; the other half would have refused or failed the same. `resp` is open."""
+
+    def __init__(self, replica: Replica, resp: UpstreamResponse) -> None:
+        super().__init__(f"prefill {replica.name}: HTTP {resp.status}")
+        self.replica, self.resp = replica, resp
 
 
 class PairForwarder:
@@ -73,6 +86,9 @@ class PairForwarder:
                 answered = await self._pair(protocol, request, data, headers, prefill, decode, p, d,
                                             request_id, outcome, extra_headers)
                 return
+            except _PrefillAnswered as refused:
+                await self._relay_prefill_answer(request, refused, prefill, request_id, outcome, extra_headers)
+                return
             except _PairFailed as failed:
                 failures.append(str(failed))
                 journey = prefill if failed.side == "prefill" else decode
@@ -100,14 +116,21 @@ class PairForwarder:
                 raise _PairFailed("prefill", p, "no_bootstrap_port")
             body = pd_protocol.sglang_body(request.body, p.url, port, pd_protocol.rooms_for(data))
             prefill_leg = asyncio.ensure_future(self._prefill_leg(request, headers, body, prefill, p))
+            relaying: _PrefillAnswered | None = None
             try:
                 return await self._decode_leg(request, headers, body, prefill, decode, d, request_id, outcome,
                                               extra_headers, prefill_leg)
+            except _PrefillAnswered as refused:
+                relaying = refused
+                raise
             finally:
                 if not prefill_leg.done():
                     prefill_leg.cancel()
                 with contextlib.suppress(BaseException):
                     await prefill_leg
+                late = None if prefill_leg.cancelled() else prefill_leg.exception()
+                if isinstance(late, _PrefillAnswered) and late is not relaying:
+                    late.resp.close()  # the decode half answered first: that answer went out
         answer = await self._prefill_leg(request, headers, pd_protocol.vllm_prefill_body(data), prefill, p)
         params = pd_protocol.vllm_transfer_params(answer)
         if params is None:
@@ -125,24 +148,41 @@ class PairForwarder:
                                             timeouts.first_byte_s)
         except (TimeoutError, OSError) as exc:
             raise _PairFailed("prefill", replica, failure_kind(exc)) from None
+        relayed = False
         try:
             if resp.status == 404 and await proxy.adapter_gone(journey, replica, resp):
                 raise _PairFailed("prefill", replica, ADAPTER_GONE)
-            if resp.status != 200:
+            if resp.status in RETRY_STATUSES:
                 raise _PairFailed("prefill", replica, f"http_{resp.status}")
+            if resp.status != 200:
+                relayed = True
+                raise _PrefillAnswered(replica, resp)
             try:
                 async with asyncio.timeout(timeouts.stream_idle_s):
                     answer = await resp.read(PREFILL_ANSWER_LIMIT)
             except (UpstreamError, TimeoutError):
                 raise _PairFailed("prefill", replica, "broken_body") from None
         finally:
-            resp.close()
+            if not relayed:
+                resp.close()
         now = asyncio.get_running_loop().time()
         proxy.core.first_byte(journey, now)
         if journey.routed is not None and not answer.startswith(b"data:"):
             proxy._learn(journey, replica, learnable(counts_of(parse_json(answer))))
         proxy.metrics.count_attempt(replica.name, "ok")
         return answer
+
+    async def _relay_prefill_answer(self, request: Request, refused: _PrefillAnswered, prefill: Journey,
+                                    request_id: str, outcome: Outcome, extra_headers: Headers | None) -> None:
+        proxy, resp, replica = self.proxy, refused.resp, refused.replica
+        try:
+            outcome.replica = replica.name
+            outcome.status = resp.status
+            outcome.answered = True
+            fault = await proxy._relay(request, resp, replica, prefill, request_id, outcome, extra_headers)
+            proxy.judge(prefill, replica, resp.status, fault, request.client)
+        finally:
+            resp.close()
 
     async def _decode_leg(self, request: Request, headers: Headers, body: bytes, prefill: Journey, journey: Journey,
                           replica: Replica, request_id: str, outcome: Outcome, extra_headers: Headers | None,
@@ -156,6 +196,8 @@ class PairForwarder:
                 # waiting out the decode server's own wait for the KV.
                 await asyncio.wait([sent, prefill_leg], return_when=asyncio.FIRST_COMPLETED)
                 if prefill_leg.done() and prefill_leg.exception() is not None:
+                    if sent.done() and not sent.cancelled() and sent.exception() is None:
+                        sent.result().close()  # both at once: the pair ends on the prefill's
                     raise prefill_leg.exception()  # type: ignore[misc]
             resp = await sent
         except (TimeoutError, OSError) as exc:
@@ -175,10 +217,7 @@ class PairForwarder:
             if resp.status == 200:
                 proxy.core.transferred(prefill, journey)
             fault = await proxy._relay(request, resp, replica, journey, request_id, outcome, extra_headers)
-            if fault is not None:
-                proxy._failed(journey, fault, asyncio.get_running_loop().time())
-            else:
-                proxy.metrics.count_attempt(replica.name, "ok")
+            proxy.judge(journey, replica, resp.status, fault, request.client)
             return True
         finally:
             resp.close()

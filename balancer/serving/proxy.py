@@ -241,16 +241,7 @@ class Proxy:
                 answered = outcome.answered = True
                 # Judged once the answer is through: a cut body is the replica's fault too.
                 fault = await self._relay(request, resp, replica, journey, request_id, outcome, extra_headers)
-                now = loop.time()
-                if fault is not None:
-                    attempt = fault
-                    self._failed(journey, fault, now)
-                elif resp.status in FAULT_STATUSES:
-                    self._failed(journey, f"http_{resp.status}", now)
-                else:
-                    self.metrics.count_attempt(replica.name, "ok")
-                    if core.answered(journey, now, resp.status < 500, request.client):
-                        self._ejected(replica, f"success rate (HTTP {resp.status})")
+                attempt = self.judge(journey, replica, resp.status, fault, request.client)
                 return
             finally:
                 if resp is not None:
@@ -296,6 +287,24 @@ class Proxy:
         replica.adapter_unloaded(adapter)
         self.core.fleet.refresh_adapters()
         return True
+
+    def judge(self, journey: Journey, replica: Replica, status: int, fault: str | None,
+              client: str | None) -> str:
+        """An answer relayed to the client, counted against its replica by what the replica
+        did: a cut answer or a gateway timeout fails it, any other answer counts towards its
+        success rate (a 5xx against it, a 4xx, the request's own fault, for it). Returns
+        how the attempt ended."""
+        now = asyncio.get_running_loop().time()
+        if fault is not None:
+            self._failed(journey, fault, now)
+            return fault
+        if status in FAULT_STATUSES:
+            self._failed(journey, f"http_{status}", now)
+            return f"http_{status}"
+        self.metrics.count_attempt(replica.name, "ok")
+        if self.core.answered(journey, now, status < 500, client):
+            self._ejected(replica, f"success rate (HTTP {status})")
+        return f"http_{status}"
 
     def _failed(self, journey: Journey, kind: str, now: float) -> None:
         replica = journey.replica

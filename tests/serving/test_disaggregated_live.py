@@ -163,6 +163,30 @@ async def test_a_client_setting_the_balancers_fields_gets_a_clear_400_and_others
             assert status == 200 and body["usage"]["completion_tokens"] == 8
 
 
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+async def test_a_request_the_replicas_refuse_gets_their_400_and_costs_the_pool_nothing(protocol: str) -> None:
+    """The engines' own refusal reaches its client, whichever half answers it; it is the
+    request's fault, so it never ejects the prefill replica from under everyone else."""
+    with ExitStack() as processes:
+        prefill = [processes.enter_context(replica("prefill", protocol))]
+        decode = [processes.enter_context(replica("decode", protocol))]
+        settings = make_settings(entries(prefill, decode), disaggregation={"protocol": protocol})
+        async with AsyncExitStack() as stack:
+            running = await stack.enter_async_context(run_balancer(settings))
+            http = await stack.enter_async_context(aiohttp.ClientSession())
+            bad = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": "hot"}
+            for _ in range(8):
+                async with http.post(running.url + "/v1/completions", json=bad) as resp:
+                    error = (await resp.json())["error"]
+                    assert resp.status == 400 and error["param"] == "temperature", error
+            async with http.get(running.url + "/metrics") as resp:
+                metrics = await resp.text()
+            assert 'kvlb_replica_breaker_state{replica="p0"} 0.0' in metrics
+            assert 'outcome="http_400"' not in metrics
+            status, headers, body = await ask(http, running.url, "/v1/completions", False)
+            assert status == 200 and headers["x-kvlb-replica"] == "d0", body
+
+
 @pytest.mark.parametrize("side", ["prefill", "decode"])
 async def test_an_adapter_unloaded_behind_kvlbs_back_moves_the_pair_on(side: str) -> None:
     # Every replica lists `sql` at start; then it is unloaded from one pool behind kvlb's back.
