@@ -92,6 +92,8 @@ class Balancer:
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._discovery: ModelWatcher | None = None
+        # Listings asked for outside the refresh rounds, by replica name: at most one each.
+        self._listing: dict[str, asyncio.Task[None]] = {}
         self._health: HealthChecker | None = None
         self.admin = AdminApi(self)
         self.dns = DnsDiscovery(
@@ -164,7 +166,8 @@ class Balancer:
             on_capacity=self.core.capacity_reported if self.tracker is not None else None,
         )
         health = self._health = HealthChecker(
-            self.fleet, self.settings.health, self.session, on_change=self._health_changed
+            self.fleet, self.settings.health, self.session, on_change=self._health_changed,
+            on_answering=self._answering,
         )
         # One round before serving, so /v1/models and model routing know the fleet at once.
         await self.dns.refresh_once()
@@ -188,9 +191,10 @@ class Balancer:
             await self.sync.stop()
         if self.kv_events is not None:
             await self.kv_events.close()
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._listing.values()]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self.pool.close()
@@ -224,8 +228,7 @@ class Balancer:
     def joined(self, replica: Replica) -> None:
         self.core.joined(replica)
         self._subscribe(replica)
-        if self._discovery is not None:
-            asyncio.get_running_loop().create_task(self.discover(replica))
+        self._list_now(replica)
 
     def left(self, replica: Replica) -> None:
         """A replica left the fleet: nothing kept per replica may outlive it."""
@@ -244,9 +247,26 @@ class Balancer:
         if self._discovery is not None:
             await self._discovery.refresh_replica(replica)
 
+    def _list_now(self, replica: Replica) -> None:
+        if self._discovery is None or replica.name in self._listing:
+            return
+        task = asyncio.get_running_loop().create_task(self.discover(replica))
+        self._listing[replica.name] = task
+        task.add_done_callback(lambda _: self._listing.pop(replica.name, None))
+
+    def _answering(self, replica: Replica) -> None:
+        if replica.discovered_models is None:
+            # Still starting when kvlb did, or down since: never listed, so it is sent any
+            # model until it is.
+            self._list_now(replica)
+
     def _health_changed(self, replica: Replica, healthy: bool) -> None:
         if not healthy:
             self.core.went_out(replica, asyncio.get_running_loop().time())
+            return
+        # Back: what it serves may differ from what the refresh rounds last read (a restart
+        # forgets adapters loaded at run time).
+        self._list_now(replica)
 
 
 def _set_client_limits(limits: ServerLimits, settings: Settings) -> None:

@@ -25,11 +25,15 @@ class HealthChecker:
         settings: HealthSettings,
         session: aiohttp.ClientSession,
         on_change: Callable[[Replica, bool], None] | None = None,
+        on_answering: Callable[[Replica], None] | None = None,
     ) -> None:
+        """`on_change`: a replica turned healthy (True) or unhealthy (False). `on_answering`:
+        a check passed after none had or after a failed one, healthy or not yet."""
         self.fleet = fleet
         self.settings = settings
         self.session = session
         self.on_change = on_change
+        self.on_answering = on_answering
         self._streak: dict[str, int] = {}  # >0: good checks in a row, <0: failed ones
 
     async def probe(self, replica: Replica) -> bool:
@@ -46,9 +50,11 @@ class HealthChecker:
         self._streak.pop(name, None)
 
     def record(self, replica: Replica, ok: bool) -> None:
-        streak = self._streak.get(replica.name, 0)
-        streak = max(streak, 0) + 1 if ok else min(streak, 0) - 1
+        before = self._streak.get(replica.name, 0)
+        streak = max(before, 0) + 1 if ok else min(before, 0) - 1
         self._streak[replica.name] = streak
+        if ok and before <= 0 and self.on_answering is not None:
+            self.on_answering(replica)
         if replica.healthy and -streak >= self.settings.unhealthy_threshold:
             replica.healthy = False
             log.warning("replica %s is unhealthy after %d failed checks", replica.name, -streak)
