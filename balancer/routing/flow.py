@@ -45,6 +45,7 @@ each ticket's waiter, sets a timer for `ticket.deadline`, and wakes the tickets 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -53,6 +54,7 @@ from typing import Any
 
 from balancer.errors import ClientError
 from balancer.protocol import REJECT_REASON_HEADER
+from policies.base import RequestFeatures
 
 GO, WAIT = "go", "wait"
 # Why a request was refused: the `x-kvlb-reject-reason` header and the error's `code`.
@@ -124,6 +126,14 @@ class Ticket:
     ttft_after_s: float | None = None
     waiter: Any = None
     refusal: ClientError | None = None  # set when displaced: the driver answers with it
+
+
+def with_target(features: RequestFeatures, ticket: Ticket) -> RequestFeatures:
+    """`features` carrying the ticket's time-to-first-token target, for a policy that ranks
+    by it; as they are when the ticket has none or they carry it already."""
+    if ticket.ttft_slo_s is None or features.ttft_target_ms is not None:
+        return features
+    return dataclasses.replace(features, ttft_target_ms=ticket.ttft_slo_s * 1000.0)
 
 
 @dataclass(slots=True)

@@ -4,7 +4,6 @@ decision, the proxy's attempts, then its metrics and access-log line."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import time
@@ -24,7 +23,7 @@ from balancer.protocol import (
 from balancer.routing.core import Journey, RoutingCore
 from balancer.routing.disaggregation import has_roles, plan_split
 from balancer.routing.fleet import FULL, Replica
-from balancer.routing.flow import Ticket
+from balancer.routing.flow import Ticket, with_target
 from balancer.routing.precise import PromptTokens, RemotePrompt
 from balancer.routing.request import parse_request
 from balancer.serving.access_log import access_log, log_access
@@ -106,8 +105,7 @@ class Forwarder:
                     counted_model = self.core.enter_model(features.model)
                 if self.flow is not None:
                     ticket = self._ticket(request, features, started)
-                    if ticket.ttft_slo_s is not None:
-                        features = dataclasses.replace(features, ttft_target_ms=ticket.ttft_slo_s * 1000.0)
+                    features = with_target(features, ticket)
                     if ticket.ttft_slo_s is not None and self.flow.flow.would_wait():
                         self._predict_ttft(request, route, features, ticket, started)
                     if not self.flow.try_enter(ticket, started):

@@ -32,7 +32,6 @@ engine that much after it left the balancer, and each token that much after the 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import heapq
 import itertools
@@ -59,6 +58,7 @@ from balancer.routing.build import flow_controller, per_model_routing
 from balancer.routing.core import PREFILLING, CoreSettings, Journey, RoutingCore
 from balancer.routing.disaggregation import has_roles, link_gbps, plan_split, transfer_ms
 from balancer.routing.fleet import FULL, Fleet, Replica
+from balancer.routing.flow import with_target
 from balancer.routing.kv_events import Cleared, Event, KvEventIndex, Removed, Stored
 from balancer.routing.precise import PreciseTracker
 from balancer.routing.request import parse_request
@@ -415,8 +415,7 @@ class Simulator:
             prepared = self._bodies[request.index] = (payload, body, features)
         if self.flow is not None:
             ticket = self.flow.tickets.get(request.index)
-            if ticket is not None and ticket.ttft_slo_s is not None and prepared[2].ttft_target_ms is None:
-                targeted = dataclasses.replace(prepared[2], ttft_target_ms=ticket.ttft_slo_s * 1000.0)
+            if ticket is not None and (targeted := with_target(prepared[2], ticket)) is not prepared[2]:
                 prepared = self._bodies[request.index] = (prepared[0], prepared[1], targeted)
         return prepared
 
